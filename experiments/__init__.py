@@ -1,0 +1,1 @@
+"""absl-flag entry points: python -m experiments.<name>."""

@@ -1,0 +1,300 @@
+"""ModelConfig: the one source of shapes and layer types, built from GGUF metadata.
+
+Follows spec/qwen35moe.md section 1: trunk layers = block_count - nextn_predict_layers, layer types
+from `attention.recurrent_layers` (or the `full_attention_interval` fallback), rope sections, GDN head
+pairing (tiled for qwen35/qwen35moe GGUFs, grouped for qwen3next).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from sharpi_jax.errors import GGUFError, UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES = ("qwen35moe", "qwen35", "qwen3next")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a hybrid GDN / gated-attention / MoE (or dense) model with MTP blocks."""
+
+    arch: str
+    n_vocab: int
+    d_model: int  # D
+    n_layer_all: int  # block_count: trunk + MTP blocks
+    n_nextn: int  # MTP blocks, the last n_nextn blocks
+    context_length: int
+    rms_eps: float
+    # Gated full attention.
+    n_head: int  # Hq
+    n_head_kv: int  # Hkv
+    head_dim: int  # hd
+    n_rot: int  # rotary dims per head (partial NEOX rope)
+    rope_base: float
+    rope_freq_scale: float
+    rope_sections: tuple[int, int, int, int]  # IMROPE sections (text-only IMROPE == NEOX)
+    # Gated DeltaNet.
+    recurrent_layers: tuple[bool, ...]  # per block (length n_layer_all): True = GDN layer
+    ssm_conv_kernel: int  # Kc
+    ssm_d_state: int  # dk == dv
+    ssm_n_group: int  # Hk
+    ssm_dt_rank: int  # Hv
+    ssm_d_inner: int  # Hv * dv
+    gdn_head_pairing: str  # "tiled": v-head n uses k-head n % Hk; "grouped": n // (Hv/Hk)
+    # FFN.
+    n_expert: int  # E (0 for dense)
+    n_expert_used: int  # k
+    expert_ff: int  # F
+    shared_expert_ff: int  # Fs
+    dense_ff: int  # dense qwen35 SwiGLU width
+    tied_embeddings: bool = False
+
+    # ----- derived shapes -----
+    @property
+    def n_layer(self) -> int:
+        """Trunk layers (MTP blocks excluded)."""
+        return self.n_layer_all - self.n_nextn
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.n_nextn > 0
+
+    @property
+    def mtp_layer(self) -> int:
+        """Block index of the (first) MTP block."""
+        return self.n_layer
+
+    @property
+    def conv_dim(self) -> int:
+        """GDN conv channels C = 2*Hk*dk + Hv*dv."""
+        return 2 * self.ssm_n_group * self.ssm_d_state + self.ssm_d_inner
+
+    @property
+    def gdn_head_ratio(self) -> int:
+        return self.ssm_dt_rank // self.ssm_n_group
+
+    @property
+    def rope_type(self) -> str:
+        return "neox" if self.arch == "qwen3next" else "imrope"
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent_layers[layer]
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layer) if not self.recurrent_layers[i])
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layer) if self.recurrent_layers[i])
+
+    def summary(self) -> str:
+        """Multi-line human-readable description."""
+        lines = [f"{f.name:18s} {getattr(self, f.name)}" for f in dataclasses.fields(self)]
+        lines.append(f"{'n_layer (trunk)':18s} {self.n_layer}")
+        lines.append(f"{'layer types':18s} " + "".join(
+            "G" if r else "A" for r in self.recurrent_layers[: self.n_layer]) + "+MTP" * self.n_nextn)
+        return "\n".join(lines)
+
+    # ----- construction -----
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any], source: str = "<metadata>") -> "ModelConfig":
+        """Build from GGUF metadata (key -> python value), validating every required key."""
+        arch = md.get("general.architecture")
+        if arch is None:
+            raise GGUFError(f"{source}: missing required key 'general.architecture'")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"{source}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+        def key(name: str) -> str:
+            return f"{arch}.{name}"
+
+        def get(name: str, default: Any = None, required: bool = False) -> Any:
+            k = key(name)
+            if k in md:
+                return md[k]
+            if required:
+                raise GGUFError(f"{source}: missing required key {k!r}")
+            return default
+
+        def as_int(name: str, value: Any, *, per_layer_ok: bool = False, allow_zero: bool = True) -> int:
+            """Scalars pass; per-layer arrays must be uniform over their non-zero entries."""
+            if isinstance(value, (list, tuple)):
+                if not per_layer_ok:
+                    raise GGUFError(f"{source}: key {key(name)!r} must be a scalar, got an array")
+                nz = sorted({int(v) for v in value if int(v) != 0})
+                if len(nz) > 1:
+                    raise GGUFError(f"{source}: key {key(name)!r} varies per layer ({nz}); "
+                                    "non-uniform layers are not supported")
+                value = nz[0] if nz else 0
+            if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
+                raise GGUFError(f"{source}: key {key(name)!r} must be an integer, got {value!r}")
+            value = int(value)
+            if value < 0 or (value == 0 and not allow_zero):
+                raise GGUFError(f"{source}: key {key(name)!r} has invalid value {value}")
+            return value
+
+        def as_float(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise GGUFError(f"{source}: key {key(name)!r} must be a number, got {value!r}")
+            return float(value)
+
+        block_count = as_int("block_count", get("block_count", required=True), allow_zero=False)
+        n_nextn = as_int("nextn_predict_layers", get("nextn_predict_layers", 0))
+        if n_nextn >= block_count:
+            raise GGUFError(f"{source}: {key('nextn_predict_layers')} = {n_nextn} leaves no trunk layers "
+                            f"(block_count = {block_count})")
+        if n_nextn > 1:
+            raise GGUFError(f"{source}: {key('nextn_predict_layers')} = {n_nextn}; only 0 or 1 MTP block "
+                            "is supported (llama.cpp asserts 1 as well)")
+        n_layer = block_count - n_nextn
+        d_model = as_int("embedding_length", get("embedding_length", required=True), allow_zero=False)
+        n_head = as_int("attention.head_count", get("attention.head_count", required=True),
+                        per_layer_ok=True, allow_zero=False)
+        n_head_kv = as_int("attention.head_count_kv", get("attention.head_count_kv", n_head),
+                           per_layer_ok=True, allow_zero=False)
+        head_dim = as_int("attention.key_length", get("attention.key_length", d_model // n_head),
+                          allow_zero=False)
+        v_len = as_int("attention.value_length", get("attention.value_length", head_dim), allow_zero=False)
+        if v_len != head_dim:
+            raise GGUFError(f"{source}: {key('attention.value_length')} = {v_len} differs from "
+                            f"key_length = {head_dim}; not supported")
+        if n_head % n_head_kv:
+            raise GGUFError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+        n_rot = as_int("rope.dimension_count", get("rope.dimension_count", head_dim))
+        if n_rot > head_dim or n_rot % 2:
+            raise GGUFError(f"{source}: {key('rope.dimension_count')} = {n_rot} must be even and <= "
+                            f"key_length {head_dim}")
+        if arch == "qwen3next":
+            sections = (0, 0, 0, 0)
+        else:
+            raw_sections = get("rope.dimension_sections", required=True)
+            if not isinstance(raw_sections, (list, tuple)) or len(raw_sections) != 4:
+                raise GGUFError(f"{source}: {key('rope.dimension_sections')} must be an int[4], "
+                                f"got {raw_sections!r}")
+            sections = tuple(int(s) for s in raw_sections)
+        scaling = get("rope.scaling.factor", None)
+        freq_scale = 1.0 if not scaling else 1.0 / as_float("rope.scaling.factor", scaling)
+        rms_eps = as_float("attention.layer_norm_rms_epsilon",
+                           get("attention.layer_norm_rms_epsilon", required=True))
+
+        recurrent = get("attention.recurrent_layers", None)
+        if recurrent is not None:
+            if not isinstance(recurrent, (list, tuple)) or len(recurrent) != block_count:
+                raise GGUFError(f"{source}: {key('attention.recurrent_layers')} must be a bool array of "
+                                f"length block_count = {block_count}")
+            recurrent = tuple(bool(r) for r in recurrent)
+        else:
+            interval = as_int("full_attention_interval", get("full_attention_interval", 4), allow_zero=False)
+            recurrent = tuple(i < n_layer and (i + 1) % interval != 0 for i in range(block_count))
+        if any(recurrent[n_layer:]):
+            raise GGUFError(f"{source}: MTP blocks must be full-attention, but "
+                            f"{key('attention.recurrent_layers')} marks one recurrent")
+
+        ssm_conv = as_int("ssm.conv_kernel", get("ssm.conv_kernel", required=True), allow_zero=False)
+        ssm_state = as_int("ssm.state_size", get("ssm.state_size", required=True), allow_zero=False)
+        ssm_group = as_int("ssm.group_count", get("ssm.group_count", required=True), allow_zero=False)
+        ssm_rank = as_int("ssm.time_step_rank", get("ssm.time_step_rank", required=True), allow_zero=False)
+        ssm_inner = as_int("ssm.inner_size", get("ssm.inner_size", required=True), allow_zero=False)
+        if ssm_inner != ssm_rank * ssm_state:
+            raise GGUFError(f"{source}: {key('ssm.inner_size')} = {ssm_inner} != time_step_rank "
+                            f"{ssm_rank} x state_size {ssm_state}")
+        if ssm_rank % ssm_group:
+            raise GGUFError(f"{source}: {key('ssm.time_step_rank')} = {ssm_rank} is not a multiple of "
+                            f"{key('ssm.group_count')} = {ssm_group}")
+
+        n_ff = get("feed_forward_length", 0)
+        n_ff = as_int("feed_forward_length", n_ff, per_layer_ok=True)
+        if arch == "qwen35":
+            n_expert = n_used = expert_ff = shared_ff = 0
+            if n_ff == 0:
+                raise GGUFError(f"{source}: missing required key {key('feed_forward_length')} (dense FFN)")
+            dense_ff = n_ff
+        else:
+            n_expert = as_int("expert_count", get("expert_count", required=True), allow_zero=False)
+            n_used = as_int("expert_used_count", get("expert_used_count", required=True),
+                            per_layer_ok=True, allow_zero=False)
+            if n_used > n_expert:
+                raise GGUFError(f"{source}: expert_used_count {n_used} > expert_count {n_expert}")
+            fallback_ff = n_ff // n_used if n_ff else 0
+            expert_ff = as_int("expert_feed_forward_length", get("expert_feed_forward_length", fallback_ff),
+                               per_layer_ok=True)
+            shared_ff = as_int("expert_shared_feed_forward_length",
+                               get("expert_shared_feed_forward_length", n_ff), per_layer_ok=True)
+            if expert_ff == 0:
+                raise GGUFError(f"{source}: missing required key {key('expert_feed_forward_length')}")
+            dense_ff = 0
+
+        tokens = md.get("tokenizer.ggml.tokens")
+        n_vocab = len(tokens) if tokens is not None else int(get("vocab_size", 0) or 0)
+        if n_vocab <= 0:
+            raise GGUFError(f"{source}: missing required key 'tokenizer.ggml.tokens' (vocabulary)")
+
+        return cls(
+            arch=arch, n_vocab=n_vocab, d_model=d_model, n_layer_all=block_count, n_nextn=n_nextn,
+            context_length=as_int("context_length", get("context_length", required=True), allow_zero=False),
+            rms_eps=rms_eps, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot,
+            rope_base=as_float("rope.freq_base", get("rope.freq_base", 10000.0)),
+            rope_freq_scale=freq_scale, rope_sections=sections,  # type: ignore[arg-type]
+            recurrent_layers=recurrent, ssm_conv_kernel=ssm_conv, ssm_d_state=ssm_state,
+            ssm_n_group=ssm_group, ssm_dt_rank=ssm_rank, ssm_d_inner=ssm_inner,
+            gdn_head_pairing="grouped" if arch == "qwen3next" else "tiled",
+            n_expert=n_expert, n_expert_used=n_used, expert_ff=expert_ff, shared_expert_ff=shared_ff,
+            dense_ff=dense_ff,
+        )
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The arch-specific GGUF keys that reproduce this config (for writers); tokenizer excluded."""
+        a = self.arch
+        md: dict[str, Any] = {
+            "general.architecture": a,
+            f"{a}.block_count": self.n_layer_all,
+            f"{a}.nextn_predict_layers": self.n_nextn,
+            f"{a}.context_length": self.context_length,
+            f"{a}.embedding_length": self.d_model,
+            f"{a}.attention.head_count": self.n_head,
+            f"{a}.attention.head_count_kv": self.n_head_kv,
+            f"{a}.attention.key_length": self.head_dim,
+            f"{a}.attention.value_length": self.head_dim,
+            f"{a}.attention.layer_norm_rms_epsilon": self.rms_eps,
+            f"{a}.rope.dimension_count": self.n_rot,
+            f"{a}.rope.freq_base": self.rope_base,
+            f"{a}.attention.recurrent_layers": list(self.recurrent_layers),
+            f"{a}.ssm.conv_kernel": self.ssm_conv_kernel,
+            f"{a}.ssm.state_size": self.ssm_d_state,
+            f"{a}.ssm.group_count": self.ssm_n_group,
+            f"{a}.ssm.time_step_rank": self.ssm_dt_rank,
+            f"{a}.ssm.inner_size": self.ssm_d_inner,
+        }
+        if a != "qwen3next":
+            md[f"{a}.rope.dimension_sections"] = list(self.rope_sections)
+        if self.is_moe:
+            md[f"{a}.expert_count"] = self.n_expert
+            md[f"{a}.expert_used_count"] = self.n_expert_used
+            md[f"{a}.expert_feed_forward_length"] = self.expert_ff
+            md[f"{a}.expert_shared_feed_forward_length"] = self.shared_expert_ff
+        else:
+            md[f"{a}.feed_forward_length"] = self.dense_ff
+        return md
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def qwen36_35b_a3b(n_layer: int = 40, n_nextn: int = 1) -> ModelConfig:
+    """The Qwen3.6-35B-A3B shapes (spec section 0), optionally with fewer trunk layers."""
+    recurrent = tuple(i < n_layer and (i + 1) % 4 != 0 for i in range(n_layer + n_nextn))
+    return ModelConfig(
+        arch="qwen35moe", n_vocab=248320, d_model=2048, n_layer_all=n_layer + n_nextn, n_nextn=n_nextn,
+        context_length=262144, rms_eps=1e-6, n_head=16, n_head_kv=2, head_dim=256, n_rot=64,
+        rope_base=1e7, rope_freq_scale=1.0, rope_sections=(11, 11, 10, 0), recurrent_layers=recurrent,
+        ssm_conv_kernel=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32, ssm_d_inner=4096,
+        gdn_head_pairing="tiled", n_expert=256, n_expert_used=8, expert_ff=512, shared_expert_ff=512,
+        dense_ff=0)
