@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import numpy as np
+
 from sharpi_jax.errors import GGUFError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("qwen35moe", "qwen35", "qwen3next")
@@ -49,6 +51,11 @@ class ModelConfig:
     shared_expert_ff: int  # Fs
     dense_ff: int  # dense qwen35 SwiGLU width
     tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        # GGUF stores these as float32: keep the float32 value so configs round-trip through files.
+        for name in ("rms_eps", "rope_base", "rope_freq_scale"):
+            object.__setattr__(self, name, float(np.float32(getattr(self, name))))
 
     # ----- derived shapes -----
     @property

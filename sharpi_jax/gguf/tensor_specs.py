@@ -74,7 +74,7 @@ def _ffn_block(c: ModelConfig, p: str) -> list[TensorSpec]:
     ]
     if Fs:
         specs += [
-            TensorSpec(f"{p}.ffn_gate_inp_shexp.weight", (D,), float_only=True),
+            TensorSpec(f"{p}.ffn_gate_inp_shexp.weight", (1, D), float_only=True),  # converter: {D, 1}
             TensorSpec(f"{p}.ffn_gate_shexp.weight", (Fs, D)),
             TensorSpec(f"{p}.ffn_up_shexp.weight", (Fs, D)),
             TensorSpec(f"{p}.ffn_down_shexp.weight", (D, Fs)),
@@ -111,11 +111,14 @@ def model_tensor_specs(c: ModelConfig) -> list[TensorSpec]:
 
 
 def _same_shape(actual: tuple[int, ...], expected: tuple[int, ...]) -> bool:
-    # llama.cpp's check_tensor_dims accepts {n} stored as {n, 1}: drop leading unit dims (numpy order).
-    a = tuple(actual)
-    while len(a) > len(expected) and a[0] == 1:
-        a = a[1:]
-    return a == tuple(expected)
+    # llama.cpp's check_tensor_dims accepts {n} stored as {n, 1}: ignore leading unit dims (numpy order).
+    def squeeze(s: tuple[int, ...]) -> tuple[int, ...]:
+        s = tuple(s)
+        while len(s) > 1 and s[0] == 1:
+            s = s[1:]
+        return s
+
+    return squeeze(actual) == squeeze(expected)
 
 
 def validate_tensors(c: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
