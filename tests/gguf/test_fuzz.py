@@ -13,6 +13,7 @@ import pytest
 
 from sharpi_jax.errors import SharpiError
 from sharpi_jax.gguf import GGUFFile, read_model_config
+from sharpi_jax.gguf.tokenizer import Tokenizer
 from tests.conftest import fixture_path
 
 SEED_FILE = ("tiny-qwen35moe", "tiny-qwen35moe-Q4_K_M.gguf")
@@ -54,12 +55,7 @@ def _exercise(path) -> None:
     """Everything a load does with the header: parse, config, tokenizer, one dequantized tensor."""
     with GGUFFile(path) as f:
         config = read_model_config(f)
-        try:
-            from sharpi_jax.gguf.tokenizer import Tokenizer
-        except ImportError:  # pragma: no cover - tokenizer module always ships
-            Tokenizer = None
-        if Tokenizer is not None:
-            Tokenizer.from_gguf_fields(f.metadata)
+        Tokenizer.from_gguf_fields(f.metadata, source=f.source)
         f.dequantize("output_norm.weight")
         assert config.n_layer >= 1
 
