@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
-from sharpi_jax.gguf.tensor_specs import TensorSpec, model_tensor_specs
+from sharpi_jax.gguf.tensor_specs import TensorSpec
+from sharpi_jax.gguf.writer import FILE_TYPE, as_qtype, model_tensor_plan, write_model_gguf
 
 Q = GGMLQuantizationType
 
@@ -43,17 +44,6 @@ _F16_SCALE_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 SYNTHETIC_TYPES = frozenset(FLOAT_TYPES) | frozenset(_F16_SCALE_FIELDS) | {Q.MXFP4}
-
-
-def _as_qtype(qtype: str | int | Q) -> Q:
-    if isinstance(qtype, Q):
-        return qtype
-    if isinstance(qtype, str):
-        try:
-            return Q[qtype.upper()]
-        except KeyError:
-            raise InputError(f"unknown ggml type {qtype!r}") from None
-    return Q(int(qtype))
 
 
 def random_blocks(rng: np.random.Generator, qtype: Q, shape: Sequence[int], scale: float) -> np.ndarray:
@@ -91,19 +81,6 @@ def _float_values(rng: np.random.Generator, spec: TensorSpec, c: ModelConfig, sc
     return np.float32(scale) * rng.standard_normal(shape, dtype=np.float32)
 
 
-def _tensor_type(spec: TensorSpec, qtype: Q, expert_qtype: Q) -> Q:
-    """The block type of a tensor, falling back like llama-quantize where rows don't fit the block."""
-    if spec.float_only:
-        return Q.F32
-    want = expert_qtype if spec.is_expert else qtype
-    row = spec.shape[-1]
-    for candidate in (want, Q.Q8_0, Q.F16):
-        block = GGML_QUANT_SIZES[candidate][0]
-        if row % block == 0:
-            return candidate
-    return Q.F32
-
-
 def byte_level_vocab(n_vocab: int, merges_corpus: str | None = None) -> tuple[list[str], list[str], list[int]]:
     """A GPT-2 byte-level vocab of exactly `n_vocab` tokens (bytes, merges, <|endoftext|>, padding)."""
     from sharpi_jax.gguf import tokenizer as tok
@@ -139,84 +116,27 @@ def write_synthetic_gguf(
     F16 or F32, as llama-quantize does); expert_qtype: type of routed experts (default: qtype).
     Norms, router, conv, ssm_a and dt bias are F32 as in converter output. Returns the path.
     """
-    qtype, expert_qtype = _as_qtype(qtype), _as_qtype(expert_qtype if expert_qtype is not None else qtype)
+    qtype, expert_qtype = as_qtype(qtype), as_qtype(expert_qtype if expert_qtype is not None else qtype)
     for t in (qtype, expert_qtype):
         if t not in SYNTHETIC_TYPES:
             raise InputError(f"synthetic writer cannot generate ggml type {t.name} "
                              f"(supported: {', '.join(sorted(x.name for x in SYNTHETIC_TYPES))})")
     path = Path(path)
     rng = np.random.default_rng(seed)
-    tokens, merges, token_types = vocab if vocab is not None else byte_level_vocab(config.n_vocab)
-    if len(tokens) != config.n_vocab:
-        raise InputError(f"vocab has {len(tokens)} tokens but config.n_vocab = {config.n_vocab}")
-    eos = tokens.index("<|endoftext|>") if "<|endoftext|>" in tokens else config.n_vocab - 1
+    vocab = vocab if vocab is not None else byte_level_vocab(config.n_vocab)
+    plan = model_tensor_plan(config, qtype, expert_qtype, tied_embeddings=tied_embeddings)
 
-    w = GGUFWriter(path, config.arch)
-    w.add_name(name)
-    for key, value in config.to_metadata().items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, list):
-            w.add_array(key, value)
-        else:
-            w.add_string(key, str(value))
-    w.add_full_attention_interval(4)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(eos)
-    w.add_pad_token_id(eos)
-    w.add_add_bos_token(False)
-    w.add_quantization_version(2)
-
-    plan = []
-    for spec in model_tensor_specs(config):
-        if not spec.required and not (spec.name == "output.weight" and not tied_embeddings) \
-                and not spec.name.endswith("shared_head_norm.weight"):
-            continue
-        t = _tensor_type(spec, qtype, expert_qtype)
-        block, type_size = GGML_QUANT_SIZES[t]
-        nbytes = int(np.prod(spec.shape, dtype=np.int64)) // block * type_size
-        plan.append((spec, t, nbytes))
-        if t in FLOAT_TYPES:
-            np_dtype = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint8}[t]
-            if t == Q.BF16:
-                w.add_tensor_info(spec.name, (*spec.shape[:-1], spec.shape[-1] * 2), np.uint8, nbytes, t)
-            else:
-                w.add_tensor_info(spec.name, spec.shape, np.dtype(np_dtype), nbytes)
-        else:
-            byte_shape = (*spec.shape[:-1], spec.shape[-1] // block * type_size)
-            w.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), nbytes, t)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    iterator = plan
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(plan, desc=f"writing {path.name}", unit="tensor")
-    for spec, t, _ in iterator:
+    def data(spec: TensorSpec, t: Q) -> np.ndarray:
         # Scale by fan-in so activations stay O(1) through deep random stacks.
         scale = weight_scale if spec.float_only else min(weight_scale, 1.0 / np.sqrt(spec.shape[-1]))
         if t == Q.F32:
-            data = _float_values(rng, spec, config, scale)
-        elif t == Q.F16:
-            data = (np.float32(scale) * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float16)
-        elif t == Q.BF16:
+            return _float_values(rng, spec, config, scale)
+        if t == Q.F16:
+            return (np.float32(scale) * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float16)
+        if t == Q.BF16:
             f = np.float32(scale) * rng.standard_normal(spec.shape, dtype=np.float32)
-            data = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(*spec.shape[:-1], -1)
-        else:
-            data = random_blocks(rng, t, spec.shape, scale)
-        w.write_tensor_data(data)
-        del data
-    w.close()
-    return path
+            return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(*spec.shape[:-1], -1)
+        return random_blocks(rng, t, spec.shape, scale)
+
+    return write_model_gguf(path, config, vocab, plan, data, name=name, file_type=FILE_TYPE.get(qtype),
+                            progress=progress)
