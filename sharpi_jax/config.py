@@ -305,3 +305,37 @@ def qwen36_35b_a3b(n_layer: int = 40, n_nextn: int = 1) -> ModelConfig:
         ssm_conv_kernel=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32, ssm_d_inner=4096,
         gdn_head_pairing="tiled", n_expert=256, n_expert_used=8, expert_ff=512, shared_expert_ff=512,
         dense_ff=0)
+
+
+def qwen35_27b(n_layer: int = 64, n_nextn: int = 1) -> ModelConfig:
+    """The dense Qwen3.5/3.6-27B shapes (published config: 64 layers, hidden 5120, FFN 17408, 24/4 heads
+    of 256, GDN 16 key / 48 value heads of 128), optionally with fewer trunk layers."""
+    recurrent = tuple(i < n_layer and (i + 1) % 4 != 0 for i in range(n_layer + n_nextn))
+    return ModelConfig(
+        arch="qwen35", n_vocab=248320, d_model=5120, n_layer_all=n_layer + n_nextn, n_nextn=n_nextn,
+        context_length=262144, rms_eps=1e-6, n_head=24, n_head_kv=4, head_dim=256, n_rot=64,
+        rope_base=1e7, rope_freq_scale=1.0, rope_sections=(11, 11, 10, 0), recurrent_layers=recurrent,
+        ssm_conv_kernel=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48, ssm_d_inner=6144,
+        gdn_head_pairing="tiled", n_expert=0, n_expert_used=0, expert_ff=0, shared_expert_ff=0,
+        dense_ff=17408)
+
+
+def tiny_qwen35moe(n_layer: int = 4, n_nextn: int = 1) -> ModelConfig:
+    """The reference fixtures' shapes (hidden 128, 16 experts top-4 of ff 64, GDN 2 key x 4 value heads
+    of 32, 4/2 attention heads of 32 with 8 rotary dims, vocab 2048)."""
+    return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
+        n_vocab=2048, d_model=128, context_length=4096, n_head=4, n_head_kv=2, head_dim=32, n_rot=8,
+        rope_sections=(2, 1, 1, 0), ssm_d_state=32, ssm_n_group=2, ssm_dt_rank=4, ssm_d_inner=128,
+        n_expert=16, n_expert_used=4, expert_ff=64, shared_expert_ff=64)
+
+
+SHAPE_PRESETS = {"tiny": tiny_qwen35moe, "qwen36-35b-a3b": qwen36_35b_a3b, "qwen35-27b": qwen35_27b}
+
+
+def shape_preset(name: str, n_layer: int | None = None) -> ModelConfig:
+    """A named model shape (see SHAPE_PRESETS), optionally with n_layer trunk layers (+1 MTP block)."""
+    from sharpi_jax.errors import InputError
+
+    if name not in SHAPE_PRESETS:
+        raise InputError(f"unknown shape preset {name!r} (known: {', '.join(SHAPE_PRESETS)})")
+    return SHAPE_PRESETS[name]() if n_layer is None else SHAPE_PRESETS[name](n_layer=n_layer)
