@@ -1,0 +1,157 @@
+"""Draw the standard figures from sweep / benchmark JSONL records.
+
+    python -m experiments.plot --results=results/mtp_draft_tokens.jsonl [--results=more.jsonl] [--out_dir=results/plots]
+
+Figures (each drawn when its records are present):
+- tok_s_vs_k.png: decode tokens/s vs draft tokens k, one line per verify mode; MTP-off as a dashed line.
+- acceptance_per_position.png: fraction of drafts accepted at each draft position, one group per k.
+- expert_reads_vs_batch.png: expert weight bytes read per token vs batch width N, per-token vs grouped.
+- hit_rate_vs_budget.png: expert residency hit rate vs expert budget, one line per placement policy.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("results", None, "JSONL file(s) of records.", required=True)
+flags.DEFINE_string("out_dir", None, "Where PNGs go (default: <first results dir>/plots).")
+
+
+def read_records(paths: list[str | Path]) -> list[dict[str, Any]]:
+    from sharpi_jax.errors import InputError
+
+    records = []
+    for p in paths:
+        try:
+            lines = Path(p).read_text().splitlines()
+        except OSError as e:
+            raise InputError(f"results file {p}: {e.strerror}") from None
+        for i, line in enumerate(lines):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{p}:{i + 1}: not JSON ({e})") from None
+    return records
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _series(records, x_key, y_key, group_keys):
+    """{group: sorted [(x, mean y)]} over records having x_key and y_key."""
+    acc: dict[tuple, dict[Any, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in records:
+        if x_key in r and y_key in r:
+            acc[tuple(r.get(k) for k in group_keys)][r[x_key]].append(r[y_key])
+    return {g: sorted((x, _mean(ys)) for x, ys in d.items()) for g, d in acc.items()}
+
+
+def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Write every figure whose data is present; return the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        p = out_dir / name
+        fig.tight_layout()
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
+
+    spec = [r for r in records if r.get("speculative") == "mtp"]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (model, verify), pts in sorted(_series(spec, "draft_tokens", "decode_tok_s", ["model", "verify"]).items(),
+                                           key=str):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{model} {verify} verify")
+        for (model,), pts in _series([r for r in records if "speculative" in r and r["speculative"] is None],
+                                     "model", "decode_tok_s", ["model"]).items():
+            ax.axhline(pts[0][1], linestyle="--", color="gray", label=f"{model} MTP off")
+        ax.set_xlabel("draft tokens k")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title("MTP speculative decoding: throughput vs k")
+        ax.legend(fontsize=7)
+        save(fig, "tok_s_vs_k.png")
+
+    with_pos = [r for r in spec if r.get("accept_per_position")]
+    if with_pos:
+        by_k: dict[int, list[list[float]]] = collections.defaultdict(list)
+        for r in with_pos:
+            by_k[int(r["draft_tokens"])].append(r["accept_per_position"])
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ks = sorted(by_k)
+        width = 0.8 / len(ks)
+        for j, k in enumerate(ks):
+            rates = [_mean([row[i] for row in by_k[k] if i < len(row)]) for i in range(k)]
+            ax.bar([i + 1 + (j - len(ks) / 2 + 0.5) * width for i in range(k)], rates, width=width, label=f"k={k}")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1)
+        ax.set_title("MTP acceptance per draft position")
+        ax.legend(fontsize=7)
+        save(fig, "acceptance_per_position.png")
+
+    moe = [r for r in records if "per_token_bytes_per_token" in r and "N" in r]
+    if moe:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in (("per_token_bytes_per_token", "per-token"), ("grouped_bytes_per_token", "grouped")):
+            pts = sorted(_series(moe, "N", key, []).get((), []))
+            ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch width N (rows)")
+        ax.set_ylabel("expert weight MiB read per token")
+        ax.set_title("Routed-expert reads per token vs batch width")
+        ax.legend()
+        save(fig, "expert_reads_vs_batch.png")
+
+    res = [r for r in records if "hit_rate" in r and "expert_budget_frac" in r]
+    if res:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (policy,), pts in sorted(_series(res, "expert_budget_frac", "hit_rate", ["expert_policy"]).items(),
+                                     key=str):
+            ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(policy))
+        ax.set_xlabel("expert budget (% of routed expert bytes)")
+        ax.set_ylabel("hit rate")
+        ax.set_ylim(0, 1.02)
+        ax.set_title("Expert residency hit rate vs budget")
+        ax.legend()
+        save(fig, "hit_rate_vs_budget.png")
+    return written
+
+
+def main(argv) -> int:
+    del argv
+    from sharpi_jax.errors import SharpiError
+
+    try:
+        records = read_records(FLAGS.results)
+    except SharpiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out_dir = Path(FLAGS.out_dir or Path(FLAGS.results[0]).parent / "plots")
+    written = plot_all(records, out_dir)
+    if not written:
+        print("no figure: the records carry none of the plotted fields", file=sys.stderr)
+        return 1
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
