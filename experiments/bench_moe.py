@@ -1,0 +1,120 @@
+r"""Per-token vs grouped routed experts on a synthetic 35B-A3B-shaped MoE layer.
+
+    python -m experiments.bench_moe                       # Q4_K, N = 1 2 4 8 16 64 256
+    python -m experiments.bench_moe --qtype=f32 --sizes=1,8,64 --repeats=5 --json_out=/tmp/moe.jsonl
+
+For each batch size N it routes N random tokens (top-k of random router logits), runs both paths of
+`sharpi_jax.experts.routed_experts` on the same layer, checks that they agree bit for bit, and prints
+side by side: expert weight bytes read (per-token: N*k expert reads; grouped: one per unique expert,
+which must equal the unique-expert floor exactly; the grouped path's executed expert loads are
+counted inside the jitted loop, not inferred) and median wall time per call.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from sharpi_jax.experts import dispatch
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("sizes", ["1", "2", "4", "8", "16", "64", "256"], "Batch sizes N (rows routed together).")
+flags.DEFINE_enum("qtype", "q4_k", ["f32", "q8_0", "q4_k"], "Storage format of the expert weights.")
+flags.DEFINE_integer("n_expert", 256, "Experts in the layer.")
+flags.DEFINE_integer("top_k", 8, "Experts per token.")
+flags.DEFINE_integer("d_ff", 512, "Expert FFN width.")
+flags.DEFINE_integer("d_model", 2048, "Hidden width.")
+flags.DEFINE_integer("repeats", 3, "Timed calls per path and size (median reported).")
+flags.DEFINE_enum("row_kernel", "gemm", dispatch.ROW_KERNELS, "Row-stable product of both paths.")
+flags.DEFINE_integer("row_tile", 0, "Fixed grouped-gemm rows per tile (0: the default ladder sized to each bucket).")
+flags.DEFINE_float("skew", 0.0, "Router logit scale of a fixed per-expert popularity bias (0: uniform).")
+flags.DEFINE_boolean("check", True, "Check per-token == grouped bit for bit.")
+flags.DEFINE_integer("seed", 0, "RNG seed.")
+flags.DEFINE_string("json_out", None, "Append one JSON line per size to this file.")
+
+
+def _route(rng: np.random.Generator, n: int, n_expert: int, k: int, bias: np.ndarray):
+    logits = rng.standard_normal((n, n_expert)) + bias
+    sel = np.argsort(-logits, axis=1, kind="stable")[:, :k].astype(np.int32)
+    p = np.exp(np.take_along_axis(logits, sel, axis=1))
+    w = (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+    return sel, w
+
+
+def _time(fn, repeats: int) -> tuple[float, jax.Array]:
+    out = jax.block_until_ready(fn())  # compile + warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), out
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    rng = np.random.default_rng(FLAGS.seed)
+    e, k, f, d = FLAGS.n_expert, FLAGS.top_k, FLAGS.d_ff, FLAGS.d_model
+    t0 = time.perf_counter()
+    experts = dispatch.ExpertWeights.synthetic(rng, e, f, d, FLAGS.qtype).to_soa()
+    bpe = experts.bytes_per_expert
+    print(f"layer: {e} experts x (gate, up [{f}x{d}], down [{d}x{f}]) {FLAGS.qtype}, top-{k}; "
+          f"{bpe / 2**20:.3f} MiB per expert, {e * bpe / 2**30:.2f} GiB per layer "
+          f"(built in {time.perf_counter() - t0:.1f}s)")
+    print(f"backend: {jax.default_backend()}, {jax.device_count()} device(s); row_kernel={FLAGS.row_kernel}; "
+          f"median of {FLAGS.repeats}")
+    bias = FLAGS.skew * rng.standard_normal(e)
+    row_tile = FLAGS.row_tile or None
+
+    head = (f"{'N':>4} {'pairs':>5} {'uniq':>4} {'maxr':>4} {'tiles':>9} | {'per-token MiB':>13} "
+            f"{'grouped MiB':>11} {'floor MiB':>9} {'read x':>6} | {'per-token ms':>12} "
+            f"{'grouped ms':>10} {'speedup':>7} | {'bitwise':>7}")
+    print(head)
+    print("-" * len(head))
+    for n in (int(s) for s in FLAGS.sizes):
+        sel_np, w_np = _route(rng, n, e, k, bias)
+        u = jnp.asarray(rng.standard_normal((n, d), dtype=np.float32))
+        sel, w = jnp.asarray(sel_np), jnp.asarray(w_np)
+        stats = dispatch.dispatch_stats(sel_np, e, bpe)
+        tiles = (1,) if FLAGS.row_kernel == "gemv" else dispatch.row_tiles(n, row_tile)
+
+        def run(mode):
+            return lambda: dispatch.routed_experts(u, sel, w, experts, mode, row_kernel=FLAGS.row_kernel,
+                                                   row_tile=row_tile, with_stats=True)
+
+        t_pt, (y_pt, s_pt) = _time(run("per_token"), FLAGS.repeats)
+        t_gr, (y_gr, s_gr) = _time(run("grouped"), FLAGS.repeats)
+        bytes_pt = int(s_pt["expert_loads"]) * bpe
+        bytes_gr = int(s_gr["expert_loads"]) * bpe
+        if bytes_gr != stats["bytes_grouped"] or bytes_pt != stats["bytes_per_token"]:
+            raise AssertionError(f"N={n}: executed loads {bytes_pt}/{bytes_gr} bytes != counters {stats}")
+        same = bool(np.array_equal(np.asarray(y_pt), np.asarray(y_gr))) if FLAGS.check else None
+        nan = bool(np.isnan(np.asarray(y_gr)).any())
+        mib = 2**20
+        print(f"{n:>4} {n * k:>5} {stats['unique_experts']:>4} {stats['max_rows_per_expert']:>4} "
+              f"{','.join(map(str, tiles)):>9} | {bytes_pt / mib:>13.1f} {bytes_gr / mib:>11.1f} "
+              f"{stats['bytes_grouped'] / mib:>9.1f} {bytes_pt / bytes_gr:>6.2f} | {t_pt * 1e3:>12.1f} "
+              f"{t_gr * 1e3:>10.1f} {t_pt / t_gr:>7.2f} | {str(same) + (' NaN!' if nan else ''):>7}", flush=True)
+        if FLAGS.check and not same:
+            raise AssertionError(f"N={n}: grouped != per_token")
+        if FLAGS.json_out:
+            rec = {
+                "bench": "moe_dispatch", "n": n, "top_k": k, "n_expert": e, "d_ff": f, "d_model": d,
+                "qtype": FLAGS.qtype, "row_kernel": FLAGS.row_kernel, "row_tiles": list(tiles),
+                "unique_experts": stats["unique_experts"], "max_rows_per_expert": stats["max_rows_per_expert"],
+                "bytes_per_token": bytes_pt, "bytes_grouped": bytes_gr, "bytes_floor": stats["bytes_grouped"],
+                "ms_per_token": t_pt * 1e3, "ms_grouped": t_gr * 1e3, "bitwise_equal": same,
+                "backend": jax.default_backend(),
+            }
+            with open(FLAGS.json_out, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,65 @@
+"""Generate a continuation of a prompt.
+
+    python -m experiments.generate --gguf=PATH --prompt="def fib(n):" --max_new_tokens=64 [--json]
+
+With no --gguf it runs the embedded default model. --json prints one JSON object {tokens, text, stats};
+otherwise the text, then a stats line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags, logging
+
+from sharpi_jax.errors import SharpiError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("gguf", None, "GGUF model file (default: the embedded default model).")
+flags.DEFINE_string("prompt", "def fibonacci(n):\n", "Prompt text.")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most.")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
+flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
+flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p x the top probability (0 = off).")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("max_context", 4096, "KV cache positions (prompt + generated).")
+flags.DEFINE_bool("stop_on_eos", True, "Stop at an end-of-generation token.")
+flags.DEFINE_enum("speculative", None, ["mtp"], "Speculative decoding (MTP: not implemented yet).")
+flags.DEFINE_integer("draft_tokens", 3, "MTP draft length.")
+flags.DEFINE_enum("verify", "batched", ["batched", "sequential"], "MTP verify mode.")
+flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
+flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
+
+
+def main(argv) -> int:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    import sharpi_jax as sj
+
+    try:
+        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context)
+        if FLAGS.warmup:
+            engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature)
+        out = engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                              top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p, seed=FLAGS.seed,
+                              stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
+                              draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
+    except SharpiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if FLAGS.json:
+        print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats}))
+    else:
+        print(FLAGS.prompt + out.text)
+        s = out.stats
+        print(f"[{s['prompt_tokens']} prompt tokens, {s['prefill_tok_s']:.1f} tok/s prefill; "
+              f"{s['generated_tokens']} generated, {s['decode_tok_s']:.1f} tok/s decode; "
+              f"stop: {s['stop_reason']}" + ("" if FLAGS.warmup else "; timings include jit compilation") + "]",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

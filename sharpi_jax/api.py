@@ -1,0 +1,158 @@
+"""The research API: `load(path) -> Engine`; `engine.logits(ids)`, `engine.generate(...)`.
+
+    import sharpi_jax as sj
+    engine = sj.load("model.gguf", max_context=4096)
+    engine.logits(engine.tokenizer.encode("def f(x):"))       # [T, vocab] float32, teacher-forced
+    out = engine.generate("def f(x):", max_new_tokens=32)     # out.tokens, out.text, out.stats
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from sharpi_jax.config import ModelConfig
+from sharpi_jax.errors import InputError
+from sharpi_jax.gguf import GGUFFile, read_model_config
+from sharpi_jax.gguf.tokenizer import Tokenizer
+from sharpi_jax.model.moe import EXPERT_MODES
+from sharpi_jax.model.weights import load_model
+from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
+from sharpi_jax.runtime.sampling import SamplingParams
+from sharpi_jax.runtime.steps import DEFAULT_PREFILL_BUCKETS, Runtime
+
+SPECULATIVE_MODES = (None, "mtp")
+VERIFY_MODES = ("batched", "sequential")
+
+
+def _check_dtype(dtype: Any) -> None:
+    if dtype is None:
+        return
+    try:
+        ok = np.dtype(dtype) == np.float32
+    except TypeError:
+        ok = False
+    if not ok:
+        raise InputError(f"dtype {dtype!r} is not supported: activations, weights and caches are float32 "
+                         "(bf16 cache updates are slow on XLA CPU)")
+
+
+class Engine:
+    """A loaded model: config, tokenizer, params and its jitted runtime."""
+
+    def __init__(self, path: str | os.PathLike[str], max_context: int = 4096, dtype: Any = jnp.float32, *,
+                 prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, progress: bool | None = None,
+                 expert_mode: str = "grouped"):
+        _check_dtype(dtype)
+        if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
+            raise InputError(f"max_context must be a positive integer, got {max_context!r}")
+        self.path = os.fspath(path)
+        self.gguf = GGUFFile(path)  # kept open: raw expert views may alias the mmap
+        self.config: ModelConfig = read_model_config(self.gguf)
+        self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata, source=self.gguf.source)
+        if expert_mode not in EXPERT_MODES:
+            raise InputError(f"expert_mode must be one of {EXPERT_MODES}, got {expert_mode!r}")
+        self.model = load_model(self.gguf, self.config, progress=progress, expert_mode=expert_mode)
+        self.runtime = Runtime(self.model, int(max_context), prefill_buckets)
+
+    @property
+    def max_context(self) -> int:
+        return self.runtime.max_context
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Engine({self.path!r}, arch={c.arch}, layers={c.n_layer}+{c.n_nextn} MTP, d_model={c.d_model}, "
+                f"max_context={self.max_context})")
+
+    # ----- input checks -----
+    def check_ids(self, ids: Any, *, what: str = "prompt") -> list[int]:
+        """Validate token ids (non-empty, in the vocabulary, fits max_context) -> list[int]."""
+        if isinstance(ids, (str, bytes)):
+            raise InputError(f"{what} must be a sequence of token ids here, got {type(ids).__name__}")
+        try:
+            arr = np.asarray(ids)
+        except Exception:
+            raise InputError(f"{what} is not a sequence of token ids") from None
+        if arr.ndim != 1:
+            raise InputError(f"{what} must be a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            raise InputError(f"{what} is empty: at least one token is needed")
+        if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or
+                                     (arr.dtype == object and all(isinstance(i, (int, np.integer)) and
+                                                                  not isinstance(i, bool) for i in arr))):
+            raise InputError(f"{what} must contain integer token ids, got dtype {arr.dtype}")
+        V = self.config.n_vocab
+        bad = np.nonzero((arr.astype(np.int64) < 0) | (arr.astype(np.int64) >= V))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise InputError(f"{what} token id {int(arr[i])} at position {i} is outside the vocabulary "
+                             f"[0, {V})")
+        if arr.size > self.max_context:
+            raise InputError(f"{what} has {arr.size} tokens, more than max_context = {self.max_context}; "
+                             "load with a larger max_context or shorten it")
+        return [int(i) for i in arr]
+
+    def _prompt_ids(self, ids_or_text: Any) -> list[int]:
+        if isinstance(ids_or_text, str):
+            if not ids_or_text:
+                raise InputError("prompt is empty: at least one token is needed")
+            ids = self.tokenizer.encode(ids_or_text)
+            return self.check_ids(ids)
+        return self.check_ids(ids_or_text)
+
+    # ----- forward -----
+    def forward(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Teacher-forced (logits [T, vocab], final-normed hidden [T, D]), float32, chunked prefill."""
+        ids = self.check_ids(ids)
+        rt = self.runtime
+        chunks, _, _ = rt.prefill(rt.new_state(), ids)
+        logits = np.concatenate([np.asarray(rt.head(h))[:n] for h, n in chunks])
+        hidden = np.concatenate([np.asarray(h)[:n] for h, n in chunks])
+        return logits, hidden
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits [len(ids), vocab] float32."""
+        return self.forward(ids)[0]
+
+    def generate(self, ids_or_text: Any, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
+                 speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched") -> GenerateOutput:
+        """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
+
+        speculative / draft_tokens / verify are the MTP options (MTP speculative decoding is not
+        implemented yet: speculative="mtp" raises InputError).
+        """
+        if speculative not in SPECULATIVE_MODES:
+            raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
+        if verify not in VERIFY_MODES:
+            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) or draft_tokens < 1:
+            raise InputError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
+        if speculative == "mtp":
+            raise InputError("speculative='mtp' is not implemented yet (MTP head and verify loop: issue 4)")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        ids = self._prompt_ids(ids_or_text)
+        stop_ids = self.tokenizer.eog_ids if stop_on_eos else ()
+        tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids)
+        shown = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
+        return GenerateOutput(tokens=tokens, text=self.tokenizer.decode(shown), stats=stats)
+
+
+def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dtype: Any = jnp.float32,
+         **kw: Any) -> Engine:
+    """Load a GGUF (qwen35moe / qwen35 / qwen3next). path=None: the embedded default model.
+
+    Options: max_context (KV cache positions), dtype (float32 only), prefill_buckets (prefill chunk
+    sizes, each compiled once), progress (tqdm bar; default: files >= 256 MiB), expert_mode
+    ("grouped" | "per_token" routed-expert dispatch; bitwise equal).
+    """
+    if path is None:
+        from sharpi_jax.assets import default_model_path
+
+        path = default_model_path()
+    return Engine(path, max_context=max_context, dtype=dtype, **kw)

@@ -1,0 +1,215 @@
+"""Gated DeltaNet layer (spec 3.3) with a recurrent (scan) form and a chunked WY form (spec 5).
+
+State per layer (float32): conv [Kc-1, C], the raw pre-conv qkv rows of the last Kc-1 tokens, oldest
+first (time-major, the transpose of ggml's [C, Kc-1]); ssm [Hv, dv, dk], ggml's layout (the transpose
+of HF's per-head [dk, dv]).
+
+The recurrent form runs conv, SiLU, L2 norm and the delta rule for one token per scan step, so a token's
+arithmetic is the same code whatever the number of rows in the call: T single-token steps and one
+T-row step give bitwise-equal outputs and per-row state snapshots. The chunked form is for prefill.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharpi_jax.config import ModelConfig
+from sharpi_jax.model.layers import Linear, rms_norm
+
+GDN_CHUNK = 64
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    """ggml softplus: x if x > 20 else log(1 + e^x)."""
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (eps inside the sqrt, as ggml and HF)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def delta_rule_step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
+                    scale: float) -> tuple[jax.Array, jax.Array]:
+    """One token, decay first (spec 3.3 step 7). S [H, dv, dk]; q, k [H, dk]; v [H, dv]; beta, g [H]."""
+    S = S * jnp.exp(g)[:, None, None]
+    u = jnp.sum(S * k[:, None, :], axis=-1)  # S'^T k
+    d = beta[:, None] * (v - u)
+    S = S + d[:, :, None] * k[:, None, :]  # + outer(k, delta), stored transposed
+    o = jnp.sum(S * q[:, None, :], axis=-1) * jnp.float32(scale)
+    return S, o
+
+
+def delta_rule_recurrent(q, k, v, beta, g, S, scale):
+    """Reference sequential delta rule over T tokens: q, k [T, H, dk]; v [T, H, dv]; beta, g [T, H]."""
+    def body(S, xs):
+        S, o = delta_rule_step(S, *xs, scale)
+        return S, o
+
+    S, o = jax.lax.scan(body, S, (q, k, v, beta, g))
+    return o, S
+
+
+def unit_lower_solve(A: jax.Array, rhs: jax.Array) -> jax.Array:
+    """Solve (I + A) X = rhs for strictly lower-triangular A [..., C, C] by row-wise forward substitution.
+
+    (`lax.linalg.triangular_solve` on XLA CPU is erratically slow for these small batched shapes:
+    10-100x slower than this loop for some batch sizes.)
+    """
+    def body(i, X):
+        a = jax.lax.dynamic_index_in_dim(A, i, axis=-2, keepdims=False)
+        r = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(X, r - jnp.einsum("...j,...jk->...k", a, X), i, axis=-2)
+
+    return jax.lax.fori_loop(0, A.shape[-1], body, jnp.zeros_like(rhs))
+
+
+def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK):
+    """Chunked WY form of the same recurrence (spec 5; HF `chunk_gated_delta_rule`, no clamps).
+
+    Shapes as `delta_rule_recurrent`; S [H, dv, dk]. Tokens with beta = g = 0 and k = v = 0 leave the
+    state unchanged, which is how padding is made inert.
+    """
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    C = min(chunk, T)
+    pad = -T % C
+    if pad:
+        z = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        q, k, v, beta, g = map(z, (q, k, v, beta, g))
+    N = (T + pad) // C
+    to_chunks = lambda a: a.reshape(N, C, H, *a.shape[2:]).swapaxes(1, 2)  # [N, H, C, ...]
+    q, k, v, beta, g = map(to_chunks, (q * jnp.float32(scale), k, v, beta, g))
+
+    gam = jnp.cumsum(g, axis=-1)  # [N, H, C]
+    incl = jnp.tril(jnp.ones((C, C), bool))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    diff = gam[..., :, None] - gam[..., None, :]  # gamma_i - gamma_j
+    decay = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)  # zero the upper part before exp
+    kb = k * beta[..., None]
+    vb = v * beta[..., None]
+    A = jnp.where(strict, jnp.einsum("nhid,nhjd->nhij", kb, k) * decay, 0.0)
+    rhs = jnp.concatenate([vb, kb * jnp.exp(gam)[..., None]], axis=-1)
+    X = unit_lower_solve(A, rhs)  # (I + A)^{-1} [v_b, k_b e^gamma]
+    U, W = X[..., :dv], X[..., dv:]
+    qk = jnp.where(incl, jnp.einsum("nhid,nhjd->nhij", q, k) * decay, 0.0)
+    qg = q * jnp.exp(gam)[..., None]
+    kdec = k * jnp.exp(gam[..., -1:] - gam)[..., None]
+    glast = jnp.exp(gam[..., -1])  # [N, H]
+
+    def body(S_hf, xs):  # S_hf [H, dk, dv]
+        U, W, qk, qg, kdec, glast = xs
+        v_new = U - W @ S_hf
+        o = qg @ S_hf + qk @ v_new
+        S_hf = glast[:, None, None] * S_hf + kdec.swapaxes(-1, -2) @ v_new
+        return S_hf, o
+
+    S_hf, o = jax.lax.scan(body, S.swapaxes(-1, -2), (U, W, qk, qg, kdec, glast))
+    o = o.swapaxes(1, 2).reshape(N * C, H, dv)[:T]
+    return o, S_hf.swapaxes(-1, -2)
+
+
+class GatedDeltaNet(nnx.Module):
+    """GDN mixer: fused input projection [qkv | z | beta | alpha], causal conv, delta rule, gated norm."""
+
+    def __init__(self, c: ModelConfig):
+        self.Hk, self.Hv, self.dk = c.ssm_n_group, c.ssm_dt_rank, c.ssm_d_state
+        self.dv = c.ssm_d_inner // c.ssm_dt_rank
+        self.conv_dim, self.kc, self.eps = c.conv_dim, c.ssm_conv_kernel, c.rms_eps
+        self.pairing = c.gdn_head_pairing
+        self.w_in = Linear(c.d_model, c.conv_dim + c.ssm_d_inner + 2 * c.ssm_dt_rank)
+        self.conv_w = nnx.Param(jnp.zeros((c.ssm_conv_kernel, c.conv_dim), jnp.float32))  # [Kc, C]
+        self.dt_bias = nnx.Param(jnp.zeros((c.ssm_dt_rank,), jnp.float32))
+        self.a = nnx.Param(jnp.zeros((c.ssm_dt_rank,), jnp.float32))  # ssm_a = -exp(A_log), as stored
+        self.norm = nnx.Param(jnp.ones((self.dv,), jnp.float32))  # ssm_norm, no +1
+        self.w_out = Linear(c.ssm_d_inner, c.d_model)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / self.dk ** 0.5
+
+    def _project(self, x):
+        C, Hv = self.conv_dim, self.Hv
+        y = self.w_in(x)
+        qkv = y[:, :C]
+        z = y[:, C: C + Hv * self.dv].reshape(-1, Hv, self.dv)
+        beta = jax.nn.sigmoid(y[:, C + Hv * self.dv: C + Hv * self.dv + Hv])
+        alpha = y[:, C + Hv * self.dv + Hv:]
+        g = self.a[...] * softplus(alpha + self.dt_bias[...])
+        return qkv, z, beta, g
+
+    def _split_heads(self, y):
+        """Post-conv [..., C] -> L2-normed q, k expanded to [..., Hv, dk] and v [..., Hv, dv]."""
+        Hk, Hv, dk, dv = self.Hk, self.Hv, self.dk, self.dv
+        lead = y.shape[:-1]
+        q = l2_norm(y[..., : Hk * dk].reshape(*lead, Hk, dk), self.eps)
+        k = l2_norm(y[..., Hk * dk: 2 * Hk * dk].reshape(*lead, Hk, dk), self.eps)
+        v = y[..., 2 * Hk * dk:].reshape(*lead, Hv, dv)
+        r = Hv // Hk
+        if self.pairing == "tiled":  # v-head n uses k-head n % Hk
+            q = jnp.concatenate([q] * r, axis=-2)
+            k = jnp.concatenate([k] * r, axis=-2)
+        else:  # grouped (qwen3next): v-head n uses k-head n // r
+            q = jnp.repeat(q, r, axis=-2)
+            k = jnp.repeat(k, r, axis=-2)
+        return q, k, v
+
+    def _conv_row(self, window):
+        """Depthwise causal conv of one token: window [Kc, C] (oldest first) -> [C], summed in tap order."""
+        w = self.conv_w[...]
+        acc = w[0] * window[0]
+        for i in range(1, self.kc):
+            acc = acc + w[i] * window[i]
+        return acc
+
+    def _finish(self, o, z):
+        """Gated RMSNorm per head, then the output projection. o, z [T, Hv, dv] -> [T, D]."""
+        o = rms_norm(o, self.norm[...], self.eps) * jax.nn.silu(z)
+        return self.w_out(o.reshape(o.shape[0], -1))
+
+    def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array):
+        """Token-by-token form. x [T, D] -> (out [T, D], conv snapshots [T, Kc-1, C], ssm snapshots
+        [T, Hv, dv, dk]); snapshot t is the state right after token t."""
+        qkv, z, beta, g = self._project(x)
+        scale = self.scale
+
+        def body(carry, xs):
+            conv, S = carry
+            qkv_t, beta_t, g_t = xs
+            window = jnp.concatenate([conv, qkv_t[None]], axis=0)
+            y = jax.nn.silu(self._conv_row(window))
+            q, k, v = self._split_heads(y)
+            S, o = delta_rule_step(S, q, k, v, beta_t, g_t, scale)
+            conv = window[1:]
+            return (conv, S), (o, conv, S)
+
+        _, (o, conv_snaps, ssm_snaps) = jax.lax.scan(body, (conv_state, ssm_state), (qkv, beta, g))
+        return self._finish(o, z), conv_snaps, ssm_snaps
+
+    def chunked(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,
+                ssm_state: jax.Array, chunk: int = GDN_CHUNK):
+        """Prefill form. x [T, D]; rows >= n_valid (valid False) are padding and leave the state as is.
+        Returns (out [T, D], conv state, ssm state) after the last valid row."""
+        T = x.shape[0]
+        qkv, z, beta, g = self._project(x)
+        X = jnp.concatenate([conv_state, qkv], axis=0)  # [Kc-1+T, C]
+        w = self.conv_w[...]
+        acc = w[0] * X[0:T]
+        for i in range(1, self.kc):
+            acc = acc + w[i] * X[i:i + T]
+        new_conv = jax.lax.dynamic_slice_in_dim(X, n_valid, self.kc - 1, axis=0)
+        q, k, v = self._split_heads(jax.nn.silu(acc))
+        m = valid[:, None]
+        beta, g = jnp.where(m, beta, 0.0), jnp.where(m, g, 0.0)
+        k, v = jnp.where(m[..., None], k, 0.0), jnp.where(m[..., None], v, 0.0)
+        o, S = delta_rule_chunked(q, k, v, beta, g, ssm_state, self.scale, chunk)
+        return self._finish(o, z), new_conv, S
+
+    def sequential(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,
+                   ssm_state: jax.Array):
+        """The recurrent form with the chunked form's signature (for cross-checking the two)."""
+        out, conv_snaps, ssm_snaps = self.recurrent(x, conv_state, ssm_state)
+        i = jnp.maximum(n_valid - 1, 0)
+        return out, conv_snaps[i], ssm_snaps[i]

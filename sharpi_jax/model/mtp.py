@@ -1,0 +1,67 @@
+"""The MTP (NextN) head (spec qwen35moe.md 4.1): one extra full-attention block that drafts the token after next.
+
+Per row, a token x at position p paired with a final-normed hidden h (the target's h[p-1] when catching
+up, the head's own previous output when drafting):
+
+    c  = [RMSNorm(embed(x), enorm) ; RMSNorm(h, hnorm)]       # embedding FIRST
+    u  = eh_proj c                                            # [2D] -> [D]
+    y  = Block(u)     # gated attention over the head's OWN KV cache, then MoE (or dense SwiGLU) FFN
+    h' = RMSNorm(y, shared_head_norm)                         # chained into the next draft step
+    logits = lm_head h'
+
+`embed` / `lm_head` are the trunk's `token_embd` / `output` (the same arrays, not copies) unless the
+file has `nextn.embed_tokens` / `nextn.shared_head_head`; `shared_head_norm` falls back to
+`output_norm`. Like the trunk, every product sees M >= 2 rows (callers pad single rows to 2), so a row's
+result is bitwise independent of how many rows are processed together: one draft step and a multi-row
+KV catch-up agree row for row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharpi_jax.config import ModelConfig
+from sharpi_jax.model.layers import Linear, RMSNorm
+from sharpi_jax.model.transformer import Block, TokenEmbedding
+
+
+class MTPHead(nnx.Module):
+    """The MTP block of a qwen35moe / qwen35 / qwen3next model with its embedding and LM head."""
+
+    def __init__(self, c: ModelConfig, embed_qtype: int, expert_qtypes: tuple[int, int, int] | None = None,
+                 expert_mode: str = "grouped"):
+        """embed_qtype: ggml type of the embedding rows (kept in block form, as the trunk's);
+        expert_qtypes: (gate, up, down) ggml types of the block's routed experts (MoE archs)."""
+        if not c.has_mtp:
+            raise ValueError("config has no MTP block (nextn_predict_layers = 0)")
+        self.config = c
+        D = c.d_model
+        self.embed = TokenEmbedding(c.n_vocab, D, embed_qtype)
+        self.enorm = RMSNorm(D, c.rms_eps)
+        self.hnorm = RMSNorm(D, c.rms_eps)
+        self.eh_proj = Linear(2 * D, D)
+        self.block = Block(c, c.mtp_layer, expert_qtypes, expert_mode)
+        self.shared_head_norm = RMSNorm(D, c.rms_eps)
+        self.lm_head = Linear(D, c.n_vocab)
+
+    def __call__(self, tokens: jax.Array, h: jax.Array, start: jax.Array, n_valid: jax.Array,
+                 cache_k: jax.Array, cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Rows (tokens [T], h [T, D]) at positions start.. (rows >= n_valid are padding: no KV write,
+        zero-weight experts). Returns (h' [T, D] post shared_head_norm, cache_k, cache_v)."""
+        T = tokens.shape[0]
+        rows = jnp.arange(T, dtype=jnp.int32)
+        positions = start + rows
+        valid = rows < n_valid
+        c = jnp.concatenate([self.enorm(self.embed(tokens)), self.hnorm(h)], axis=-1)
+        u = self.eh_proj(c)
+        blk = self.block
+        m, cache_k, cache_v = blk.mixer(blk.attn_norm(u), positions, valid, cache_k, cache_v)
+        hA = u + m
+        y = hA + blk.feed_forward(hA, valid)
+        return self.shared_head_norm(y), cache_k, cache_v
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """LM head on post-norm rows [T >= 2, D] -> [T, V]."""
+        return self.lm_head(h)

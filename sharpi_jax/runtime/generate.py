@@ -1,0 +1,64 @@
+"""The generation loop: bucketed prefill, then one decode step per token; stop on EOS, budget or context."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Collection, Sequence
+
+import jax
+
+from sharpi_jax.runtime.sampling import SamplingParams, sample
+from sharpi_jax.runtime.steps import Runtime
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """tokens/text: the generated part only (not the prompt); stats: timings and counts."""
+
+    tokens: list[int]
+    text: str
+    stats: dict[str, Any]
+
+
+def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop_ids: Collection[int] = ()) -> tuple[list[int], dict[str, Any]]:
+    """Generate up to max_new_tokens after `prompt` (validated by the caller). Returns (tokens, stats).
+
+    stats: prompt_tokens, generated_tokens, prefill_s, prefill_tok_s, decode_s, decode_tok_s
+    (generated tokens per second after the prefill, sampling included), stop_reason
+    ("eos" | "max_new_tokens" | "max_context").
+    """
+    t0 = time.perf_counter()
+    state = runtime.new_state()
+    _, logits, state = runtime.prefill(state, prompt)
+    logits.block_until_ready()
+    t1 = time.perf_counter()
+    pos, out, stop = len(prompt), [], "max_new_tokens"
+    stop_ids = frozenset(stop_ids)
+    for i in range(max_new_tokens):
+        tok = int(sample(logits, sampling, i))
+        out.append(tok)
+        if tok in stop_ids:
+            stop = "eos"
+            break
+        if i == max_new_tokens - 1:
+            break
+        if pos >= runtime.max_context:
+            stop = "max_context"
+            break
+        logits, _, state = runtime.decode_step(state, tok, pos)
+        pos += 1
+    jax.block_until_ready(logits)
+    t2 = time.perf_counter()
+    prefill_s, decode_s = t1 - t0, t2 - t1
+    stats = {
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(out),
+        "prefill_s": prefill_s,
+        "prefill_tok_s": len(prompt) / prefill_s if prefill_s > 0 else float("inf"),
+        "decode_s": decode_s,
+        "decode_tok_s": len(out) / decode_s if decode_s > 0 and out else 0.0,
+        "stop_reason": stop if max_new_tokens > 0 else "max_new_tokens",
+    }
+    return out, stats

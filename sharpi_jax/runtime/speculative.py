@@ -1,0 +1,410 @@
+"""MTP speculative decoding (spec speculative.md section 2, qwen35moe.md 4.2-4.5): chain drafts from the
+MTP head, ONE trunk pass over [t, d1..dk], greedy / exact-match acceptance, rollback by GDN snapshot.
+
+One pass, with P the position of the certain token t and h[P-1] the target's final-normed hidden:
+1. `MTPRuntime.draft` (one jitted call): MTP KV catch-up for the rows accepted by the previous pass,
+   paired with the TARGET's verified hiddens (x_p, h[p-1]), fused with draft step 0 (t, h[P-1]) at P
+   (they are independent rows of one bucket; row results are bitwise those of separate calls), then
+   steps i = 1..k-1 on (d_i, h'_{i-1}), h' being the head's own post-shared_head_norm output.
+   Drafts are greedy (argmax of the MTP logits), as llama.cpp's top-k(10)-then-best draft sampler.
+2. Verify: `Runtime.verify_step` over [t, d1..dk] at P..P+k, GDN snapshots after every row
+   ("batched"), or single-token `decode_step`s that stop at the first mismatch ("sequential": the
+   reference; its rows are bitwise the batched rows, so both give the same tokens).
+3. Accept a = number of leading drafts equal to the target's token of the previous row (greedy
+   argmax, or the seeded sampler with the key of that generated-token index: exact-match acceptance,
+   so sampled output equals non-speculative sampled output). The target's token at row a is the next
+   certain token; nothing is re-decoded.
+4. Rollback: `commit(state, snaps, a)` selects the GDN conv/SSM snapshot after row a; the trunk and MTP
+   KV lengths are host-side (P + a + 1): rows past them are masked and overwritten later.
+
+All three archs (qwen35moe, qwen35, qwen3next) roll back by snapshot selection. (llama.cpp does that
+for qwen35/qwen35moe but restores a checkpoint and re-decodes the accepted tokens for qwen3next.)
+
+MTP KV position 0 pairs token 0 with h = 0, as llama.cpp (`pending_h` zero-initialised); this is also
+what the transformers reference logits match (tests/model/test_mtp.py).
+
+Shapes: drafts are computed into a fixed number of slots K (`width`, default k), the verify step has
+K + 1 rows and the fused MTP call K + 2 rows, so each compiles once per K; shorter drafts (context
+end, llama.cpp's budget cap) use the same compiled functions with fewer valid rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Collection, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sharpi_jax.errors import InputError
+from sharpi_jax.model.mtp import MTPHead
+from sharpi_jax.runtime.sampling import SamplingParams, sample
+from sharpi_jax.runtime.state import MTPCache, init_mtp_cache
+from sharpi_jax.runtime.steps import Runtime
+
+VERIFY_MODES = ("batched", "sequential")
+
+
+@functools.lru_cache(maxsize=None)
+def _mtp_fns(graphdef, treedef):
+    """The jitted MTP steps of one head graph (same functional pattern as `steps._step_fns`)."""
+
+    def merge(leaves):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def rows(params, cache, tokens, h_prev, hidden, start, n_valid):
+        """Rows tokens[i] at start + i paired with (h_prev, hidden[0], hidden[1], ...)[i]."""
+        mtp = merge(params)
+        hs = jnp.concatenate([h_prev[None], hidden])
+        hp, k, v = mtp(tokens, hs[: tokens.shape[0]], start, n_valid, cache.k, cache.v)
+        return hp, MTPCache(k, v), hs[n_valid]
+
+    def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft):
+        mtp = merge(params)
+        W = tokens.shape[0]
+        hs = jnp.concatenate([h_prev[None], hidden])[:W]
+        hp, k, v = mtp(tokens, hs, start, n_valid, cache.k, cache.v)
+        last = n_valid - 1  # the row of the certain token t
+
+        def greedy(h):  # a 2-row bucket: the row-stable kernel
+            return jnp.argmax(mtp.logits(jnp.stack([h, h]))[0]).astype(jnp.int32)
+
+        h = jax.lax.dynamic_index_in_dim(hp, last, keepdims=False)
+        d = greedy(h)
+        drafts = jnp.zeros((W - 2,), jnp.int32).at[0].set(d)
+        pos0 = start + last
+
+        def step(i, carry):
+            k, v, tok, h, drafts = carry
+            hp, k, v = mtp(jnp.stack([tok, tok]), jnp.stack([h, h]), pos0 + i, jnp.int32(1), k, v)
+            tok = greedy(hp[0])
+            return k, v, tok, hp[0], drafts.at[i].set(tok)
+
+        k, v, _, _, drafts = jax.lax.fori_loop(1, n_draft, step, (k, v, d, h, drafts))
+        t = jax.lax.dynamic_index_in_dim(tokens, last, keepdims=False)
+        h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
+        return jnp.concatenate([t[None], drafts]), MTPCache(k, v), h_t
+
+    def logits(params, h):
+        return merge(params).logits(h)
+
+    return (jax.jit(rows, donate_argnums=(1,)), jax.jit(draft, donate_argnums=(1,)), jax.jit(logits))
+
+
+@jax.jit
+def _argmax_rows(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _stack_rows(rows, n):
+    """[n, D] from a tuple of [D] rows, zero-padded."""
+    x = jnp.stack(rows)
+    return jnp.concatenate([x, jnp.zeros((n - x.shape[0],) + x.shape[1:], x.dtype)])
+
+
+class MTPRuntime:
+    """The jitted MTP steps of one loaded head, bound to its params and a context size."""
+
+    def __init__(self, head: MTPHead, max_context: int):
+        self.config = head.config
+        self.max_context = int(max_context)
+        graphdef, state = nnx.split(head)
+        leaves, treedef = jax.tree.flatten(state)
+        self.params = tuple(leaves)
+        self._rows, self._draft, self._logits = _mtp_fns(graphdef, treedef)
+
+    def new_cache(self) -> MTPCache:
+        return init_mtp_cache(self.config, self.max_context)
+
+    def rows(self, cache: MTPCache, tokens, h_prev: jax.Array, hidden: jax.Array, start: int, n_valid: int):
+        """MTP rows (tokens[i], (h_prev, *hidden)[i]) at positions start + i, i < n_valid, written to the
+        cache. tokens: a bucket [B >= 2]; hidden [>= B - 1, D]. Returns (h' [B, D], cache, the hidden
+        that pairs with the row after the last valid one)."""
+        return self._rows(self.params, cache, np.asarray(tokens, np.int32), h_prev, hidden, np.int32(start),
+                          np.int32(n_valid))
+
+    def prefill(self, cache: MTPCache, ids: Sequence[int], chunks, start: int = 0, h_prev: jax.Array | None = None):
+        """Catch the MTP KV up over a trunk prefill: ids at start.., `chunks` = the trunk's
+        [(hidden [B, D], n_valid)]. h_prev pairs with ids[0] (zeros at position 0, as llama.cpp).
+        Returns (cache, h of the last id (pairs with the next token), [h' [B, D] per chunk])."""
+        if h_prev is None:
+            h_prev = jnp.zeros((self.config.d_model,), jnp.float32)
+        out, off = [], 0
+        for hidden, m in chunks:
+            toks = np.zeros(hidden.shape[0], np.int32)
+            toks[:m] = ids[off:off + m]
+            hp, cache, h_prev = self.rows(cache, toks, h_prev, hidden, start + off, m)
+            out.append(hp)
+            off += m
+        return cache, h_prev, out
+
+    def draft(self, cache: MTPCache, tokens, h_prev, hidden, start: int, n_valid: int, n_draft: int):
+        """Catch-up rows 0..n_valid-2 + the chain from row n_valid-1 (the certain token t), n_draft >= 1
+        greedy drafts into K = len(tokens) - 2 slots. Returns ([t, d1..dK] int32 device array (slots
+        past n_draft are 0), cache, the h paired with t)."""
+        return self._draft(self.params, cache, np.asarray(tokens, np.int32), h_prev, hidden, np.int32(start),
+                           np.int32(n_valid), np.int32(n_draft))
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """MTP LM head on post-norm rows [B >= 2, D]."""
+        return self._logits(self.params, h)
+
+
+def teacher_forced_mtp_logits(runtime: Runtime, mtp: MTPRuntime, ids: Sequence[int]) -> np.ndarray:
+    """MTP logits [T-1, V] at positions 1..T-1 from pairs (ids[p], h[p-1]) (position 0 pairs with h = 0
+    and only fills the MTP KV)."""
+    chunks, _, _ = runtime.prefill(runtime.new_state(), ids)
+    _, _, hps = mtp.prefill(mtp.new_cache(), ids, chunks)
+    logits = np.concatenate([np.asarray(mtp.logits(hp))[:m] for hp, (_, m) in zip(hps, chunks)])
+    return logits[1:]
+
+
+class MTPDecoder:
+    """Trunk + MTP state of one sequence and the speculative pass (see the module docstring).
+
+    Attributes after `prefill` / `step`: P (position of the next certain token), state, cache.
+    `trace` (a list, optional) receives one dict per pass: tokens [m+1], logits [m+1, V], hidden
+    [m+1, D], conv/ssm (per GDN layer, the state after each of the m+1 rows), accepted. With
+    full_rows (sequential only) all m+1 rows are computed even past the first mismatch, and the GDN
+    state is restored from the copy kept after row a: the batched-vs-sequential parity reference.
+    """
+
+    def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, verify: str = "batched",
+                 width: int | None = None, full_rows: bool = False, trace: list | None = None):
+        if verify not in VERIFY_MODES:
+            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.rt, self.mtp, self.k, self.verify = runtime, mtp, int(draft_tokens), verify
+        self.K = int(width) if width is not None else self.k
+        if not 1 <= self.k <= self.K:
+            raise InputError(f"draft_tokens must be in [1, width = {self.K}], got {self.k}")
+        self.full_rows, self.trace = full_rows, trace
+        self.draft_s = self.verify_s = 0.0
+
+    def prefill(self, ids: Sequence[int]) -> jax.Array:
+        """Trunk prefill + MTP KV over ids (positions 0..n-1). Returns the last row's logits [V]."""
+        rt = self.rt
+        chunks, logits, state = rt.prefill(rt.new_state(), ids)
+        cache, h_last, _ = self.mtp.prefill(self.mtp.new_cache(), ids, chunks)
+        self.state, self.cache, self.P = state, cache, len(ids)
+        D = rt.config.d_model
+        # Rows to catch up before the next draft row: none yet; the certain token pairs with h_last.
+        self._pend, self._pend_start, self._h_prev = [], self.P, h_last
+        self._hidden = jnp.zeros((self.K + 1, D), jnp.float32)
+        jax.block_until_ready((logits, cache))
+        return logits
+
+    def step(self, t: int, n_draft: int, sampling: SamplingParams, index: int) -> tuple[list[int], int, int]:
+        """One pass from the certain token t (generated-token index `index`) at position P with
+        n_draft drafts (0 <= n_draft <= K; 0 = a plain verify of t). Returns (accepted drafts, the
+        target's next token, n_draft) and advances P by len(accepted) + 1."""
+        if not 0 <= n_draft <= self.K:
+            raise InputError(f"n_draft must be in [0, {self.K}], got {n_draft}")
+        P = self.P
+        if P + n_draft >= self.rt.max_context:
+            raise InputError(f"a pass at position {P} with {n_draft} drafts exceeds max_context")
+        t0 = time.perf_counter()
+        toks = np.zeros(self.K + 2, np.int32)
+        n_valid = len(self._pend) + 1
+        toks[:n_valid] = self._pend + [t]
+        vtokens, self.cache, h_t = self.mtp.draft(self.cache, toks, self._h_prev, self._hidden, self._pend_start,
+                                                  n_valid, max(n_draft, 1))
+        vtokens.block_until_ready()
+        t1 = time.perf_counter()
+        if self.verify == "batched":
+            accepted, nxt, hidden = self._verify_batched(vtokens, n_draft, sampling, index)
+        else:
+            accepted, nxt, hidden = self._verify_sequential(np.asarray(vtokens), n_draft, sampling, index)
+        self.draft_s += t1 - t0
+        self.verify_s += time.perf_counter() - t1
+        a = len(accepted)
+        self._pend, self._pend_start, self._h_prev, self._hidden = [t] + accepted, P, h_t, hidden
+        self.P = P + a + 1
+        return accepted, nxt, n_draft
+
+    def _targets(self, row: Callable[[int], jax.Array], drafts: np.ndarray, n_draft: int,
+                 sampling: SamplingParams, index: int, greedy_rows: np.ndarray | None) -> tuple[list[int], int]:
+        """Exact-match acceptance: the target's token of row r (index + r + 1) against d_{r+1}."""
+        accepted = []
+        for r in range(n_draft + 1):
+            if greedy_rows is not None:
+                tok = int(greedy_rows[r])
+            else:
+                tok = int(sample(row(r), sampling, index + r + 1))
+            if r < n_draft and tok == int(drafts[r]):
+                accepted.append(tok)
+                continue
+            return accepted, tok
+        raise AssertionError("unreachable")
+
+    def _verify_batched(self, vtokens, n_draft, sampling, index):
+        rt = self.rt
+        logits, hidden, state, snaps = rt.verify_step(self.state, vtokens, self.P, n_valid=n_draft + 1)
+        greedy_rows = np.asarray(_argmax_rows(logits)) if sampling.greedy else None
+        host = np.asarray(vtokens)
+        accepted, nxt = self._targets(lambda r: logits[r], host[1:], n_draft, sampling, index, greedy_rows)
+        if self.trace is not None:
+            m = n_draft + 1
+            self.trace.append(dict(tokens=host[:m], logits=np.asarray(logits)[:m], hidden=np.asarray(hidden)[:m],
+                                   conv=tuple(np.asarray(c)[:m] for c in snaps.conv),
+                                   ssm=tuple(np.asarray(s)[:m] for s in snaps.ssm), accepted=len(accepted)))
+        self.state = rt.commit(state, snaps, len(accepted))
+        return accepted, nxt, hidden
+
+    def _verify_sequential(self, vtokens: np.ndarray, n_draft, sampling, index):
+        """Row by row with single-token decode steps; stops after the first mismatch unless full_rows."""
+        rt, state = self.rt, self.state
+        logits_rows, hidden_rows, kept = [], [], []
+        accepted, nxt = None, None
+        greedy = sampling.greedy
+        for r in range(n_draft + 1):
+            lg, h, state = rt.decode_step(state, int(vtokens[r]), self.P + r)
+            logits_rows.append(lg)
+            hidden_rows.append(h)
+            if self.full_rows:
+                kept.append(jax.tree.map(jnp.copy, (state.conv, state.ssm)))
+            if accepted is None:
+                tok = int(_argmax_rows(lg)) if greedy else int(sample(lg, sampling, index + r + 1))
+                if not (r < n_draft and tok == int(vtokens[r + 1])):
+                    accepted, nxt = [int(x) for x in vtokens[1:r + 1]], tok
+                    if not self.full_rows:
+                        break
+        a = len(accepted)
+        if self.full_rows:
+            conv, ssm = kept[a]
+            state = state._replace(conv=conv, ssm=ssm)
+        if self.trace is not None:
+            m = len(logits_rows)
+            self.trace.append(dict(tokens=vtokens[:m], logits=np.stack([np.asarray(x) for x in logits_rows]),
+                                   hidden=np.stack([np.asarray(x) for x in hidden_rows]),
+                                   conv=tuple(np.stack([np.asarray(kk[0][i]) for kk in kept])
+                                              for i in range(len(state.conv))) if kept else None,
+                                   ssm=tuple(np.stack([np.asarray(kk[1][i]) for kk in kept])
+                                             for i in range(len(state.ssm))) if kept else None,
+                                   accepted=a))
+        self.state = state
+        return accepted, nxt, _stack_rows(tuple(hidden_rows[:a + 1]), self.K + 1)
+
+
+def _pass_stats(k: int, passes: list[tuple[int, int]]) -> dict[str, Any]:
+    """Acceptance stats from (n_draft, accepted) per verify pass."""
+    drafted = sum(n for n, _ in passes)
+    accepted = sum(a for _, a in passes)
+    per_pos = []
+    for i in range(1, k + 1):
+        tried = [a for n, a in passes if n >= i]
+        per_pos.append(sum(a >= i for a in tried) / len(tried) if tried else 0.0)
+    return {
+        "drafted": drafted,
+        "accepted": accepted,
+        "verify_passes": len(passes),
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accept_len": (accepted + len(passes)) / len(passes) if passes else 0.0,
+        "accept_per_position": per_pos,
+    }
+
+
+def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
+                 sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
+                 verify: str = "batched", width: int | None = None, full_rows: bool = False,
+                 trace: list | None = None) -> tuple[list[int], dict[str, Any]]:
+    """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
+
+    stats: those of `generate_ids` (prompt_tokens, generated_tokens, prefill_s, prefill_tok_s (trunk +
+    MTP prompt processing), decode_s, decode_tok_s, stop_reason) plus speculative, draft_tokens,
+    verify, drafted (draft tokens verified), accepted, verify_passes, acceptance_rate
+    (accepted / drafted), mean_accept_len (mean over passes of accepted drafts + 1 = tokens per
+    trunk pass), accept_per_position (k fractions: position i accepted, over the passes that drafted
+    it), draft_s and verify_s (MTP vs trunk time; the rest of decode_s is host bookkeeping).
+    """
+    t0 = time.perf_counter()
+    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace)
+    logits = dec.prefill(prompt)
+    t1 = time.perf_counter()
+    out: list[int] = []
+    passes: list[tuple[int, int]] = []
+    stop_ids = frozenset(stop_ids)
+    stop = "max_new_tokens"
+    emit = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
+    while emit:
+        done = False
+        for tok in emit:
+            out.append(tok)
+            if tok in stop_ids:
+                stop, done = "eos", True
+                break
+            if len(out) == max_new_tokens:
+                done = True
+                break
+        if done:
+            break
+        if dec.P >= runtime.max_context:
+            stop = "max_context"
+            break
+        n_draft = min(dec.k, runtime.max_context - 1 - dec.P)
+        accepted, nxt, _ = dec.step(out[-1], n_draft, sampling, len(out) - 1)
+        passes.append((n_draft, len(accepted)))
+        emit = accepted + [nxt]
+    t2 = time.perf_counter()
+    prefill_s, decode_s = t1 - t0, t2 - t1
+    stats = {
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(out),
+        "prefill_s": prefill_s,
+        "prefill_tok_s": len(prompt) / prefill_s if prefill_s > 0 else float("inf"),
+        "decode_s": decode_s,
+        "decode_tok_s": len(out) / decode_s if decode_s > 0 and out else 0.0,
+        "stop_reason": stop,
+        "speculative": "mtp",
+        "draft_tokens": dec.k,
+        "verify": verify,
+        **_pass_stats(dec.k, passes),
+        "draft_s": dec.draft_s,
+        "verify_s": dec.verify_s,
+    }
+    return out, stats
+
+
+def llamacpp_protocol(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], draft_tokens: int,
+                      n_predict: int = 48, replay: bool = False, budget_cap: bool = False,
+                      width: int | None = None) -> dict[str, Any]:
+    """Acceptance counted as llama.cpp's `llama-speculative-simple --spec-type draft-mtp` (greedy).
+
+    As there: the prompt minus its last token is prefilled, the first pass starts from the last prompt
+    token, every pass counts n_drafted += drafts, n_accept += accepted, n_predict += accepted + 1, and
+    the loop ends once n_predict > `n_predict`. budget_cap: cap each draft at n_predict - done - 1 (newer
+    llama.cpp). replay: count as llama.cpp does for archs it cannot roll back partially (qwen3next): a
+    partially accepted pass is not counted; its accepted tokens plus the target's token are verified
+    again as a draft (all accepted) and the bonus token follows. Our decoder still rolls back by
+    snapshot; only the counting (and pass structure) is mirrored.
+    """
+    dec = MTPDecoder(runtime, mtp, draft_tokens, "batched", width)
+    greedy = SamplingParams()
+    dec.prefill(prompt[:-1])
+    t = int(prompt[-1])
+    n_drafted = n_accept = done = 0
+    tokens: list[int] = []
+    while True:
+        n_max = draft_tokens if not budget_cap else max(0, min(draft_tokens, n_predict - done - 1))
+        accepted, nxt, _ = dec.step(t, n_max, greedy, 0)
+        if replay and len(accepted) < n_max:
+            # llama.cpp: restore, then verify [t, accepted..., nxt] as a draft: all accepted, plus a bonus.
+            _, bonus, _ = dec.step(nxt, 0, greedy, 0)
+            n_drafted += len(accepted) + 1
+            n_accept += len(accepted) + 1
+            done += len(accepted) + 2
+            tokens += accepted + [nxt, bonus]
+            t = bonus
+        else:
+            n_drafted += n_max
+            n_accept += len(accepted)
+            done += len(accepted) + 1
+            tokens += accepted + [nxt]
+            t = nxt
+        if done > n_predict:
+            break
+    return {"n_drafted": n_drafted, "n_accept": n_accept, "n_predict": done,
+            "accept_pct": 100.0 * n_accept / n_drafted if n_drafted else 0.0, "tokens": tokens}

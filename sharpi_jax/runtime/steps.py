@@ -1,0 +1,164 @@
+"""Jitted step functions (functional nnx pattern: split once, merge inside jit, state donated).
+
+- `prefill`: a bucket of B prompt rows with the chunked GDN form; one compile per bucket size.
+- `decode_step`: one token with the recurrent GDN form, run as a 2-row bucket (row 1 is inert padding:
+  its KV write is dropped, it reuses row 0's experts with zero weight, its GDN snapshot is discarded).
+- `verify_step`: T >= 2 tokens with the recurrent form, returning logits and final-normed hidden rows
+  for every row plus the GDN snapshots after every row; `commit` selects one snapshot (rollback).
+For every row, `verify_step` logits/hidden/snapshots are bitwise those of T successive `decode_step`s
+(see `sharpi_jax.model.transformer`). Compiled functions are cached per model graph, so engines of
+the same architecture and quant layout share them.
+
+MTP speculative decoding (issue 4) composes these: prefill -> (chain of drafts) -> verify_step over
+[t, d1..dk] -> accept a drafts -> commit(snapshot a) and set the host length to P + a + 1 (KV rows past
+it are stale and masked, then overwritten). `hidden` rows are the final-normed trunk states the MTP
+head consumes.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sharpi_jax.errors import InputError
+from sharpi_jax.model.transformer import Transformer
+from sharpi_jax.runtime.state import DecodeState, Snapshots, init_state
+
+DEFAULT_PREFILL_BUCKETS = (32, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fns(graphdef, treedef) -> SimpleNamespace:
+    """The jitted steps of one model graph (graphdef is static: hashed once here, not per call).
+
+    Params travel as a flat tuple of arrays (`treedef` rebuilds the nnx.State inside the trace):
+    flattening an nnx.State on every call costs ~0.1-0.3 ms, a tuple almost nothing.
+    """
+
+    def merge(leaves):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def prefill(params, state, tokens, start, n_valid, gdn="chunked"):
+        model = merge(params)
+        hidden, state = model.prefill(state, tokens, start, n_valid, gdn)
+        last = jax.lax.dynamic_index_in_dim(hidden, jnp.maximum(n_valid - 1, 0), keepdims=True)
+        logits = model.lm_head(jnp.concatenate([last, last]))[0]  # 2 rows: the row-stable kernel
+        return hidden, logits, state
+
+    def head(params, hidden):
+        return merge(params).lm_head(hidden)
+
+    def decode(params, state, token, pos):
+        model = merge(params)
+        tokens = jnp.stack([token, token])
+        logits, hidden, state, (conv, ssm) = model.rows(state, tokens, pos, jnp.int32(1))
+        state = state._replace(conv=tuple(c[0] for c in conv), ssm=tuple(s[0] for s in ssm))
+        return logits[0], hidden[0], state
+
+    def verify(params, state, tokens, pos, n_valid):
+        model = merge(params)
+        logits, hidden, state, (conv, ssm) = model.rows(state, tokens, pos, n_valid)
+        return logits, hidden, state, Snapshots(conv, ssm)
+
+    def commit(state, snaps, index):
+        return state._replace(conv=tuple(c[index] for c in snaps.conv), ssm=tuple(s[index] for s in snaps.ssm))
+
+    return SimpleNamespace(
+        prefill=jax.jit(prefill, donate_argnums=(1,), static_argnames=("gdn",)),
+        head=jax.jit(head),
+        decode=jax.jit(decode, donate_argnums=(1,)),
+        verify=jax.jit(verify, donate_argnums=(1,)),
+        commit=jax.jit(commit, donate_argnums=(0,)),
+    )
+
+
+class Runtime:
+    """The jitted steps of one loaded model, bound to its params and a context size.
+
+    Every step donates the state it is given: use the returned state, never the passed one.
+    """
+
+    def __init__(self, model: Transformer, max_context: int,
+                 prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS):
+        self.config = model.config
+        self.max_context = int(max_context)
+        buckets = sorted({int(b) for b in prefill_buckets})
+        if not buckets or buckets[0] < 1:
+            raise InputError(f"prefill_buckets must be positive sizes, got {prefill_buckets!r}")
+        self.prefill_buckets = tuple(buckets)
+        self.graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        self.params = tuple(leaves)  # the model's arrays, flat (see _step_fns)
+        self._fns = _step_fns(self.graphdef, treedef)
+
+    def new_state(self) -> DecodeState:
+        """A zeroed state for a new sequence."""
+        return init_state(self.config, self.max_context)
+
+    def _bucket(self, remaining: int) -> int:
+        big = self.prefill_buckets[-1]
+        if remaining >= big:
+            return big
+        return next(b for b in self.prefill_buckets if b >= remaining)
+
+    def prefill(self, state: DecodeState, ids: Sequence[int], start: int = 0, gdn: str = "chunked"):
+        """Run prompt ids at positions start.. in bucketed chunks.
+
+        Returns (chunks, last_logits [V], state): chunks is a list of (hidden [B, D], n_valid) per
+        chunk (device arrays, rows >= n_valid are padding); last_logits is for the last prompt row.
+        """
+        ids = np.asarray(ids, dtype=np.int32)
+        n = len(ids)
+        if n == 0:
+            raise InputError("prefill needs at least one token")
+        if start + n > self.max_context:
+            raise InputError(f"{start + n} positions exceed max_context = {self.max_context}")
+        chunks, off, logits = [], 0, None
+        while off < n:
+            B = self._bucket(n - off)
+            m = min(n - off, B)
+            toks = np.zeros(B, np.int32)
+            toks[:m] = ids[off:off + m]
+            hidden, logits, state = self._fns.prefill(self.params, state, toks, np.int32(start + off),
+                                                      np.int32(m), gdn=gdn)
+            chunks.append((hidden, m))
+            off += m
+        return chunks, logits, state
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        """LM head on a [B, D] bucket of final-normed hidden rows (B >= 2)."""
+        return self._fns.head(self.params, hidden)
+
+    def decode_step(self, state: DecodeState, token: int, pos: int):
+        """One token at position pos -> (logits [V], hidden [D], state)."""
+        return self._fns.decode(self.params, state, np.int32(token), np.int32(pos))
+
+    def verify_step(self, state: DecodeState, tokens: Sequence[int] | jax.Array, pos: int,
+                    n_valid: int | None = None):
+        """T >= 2 tokens at positions pos.. -> (logits [T, V], hidden [T, D], state with KV written and
+        GDN state unchanged, Snapshots). Follow with `commit(state, snaps, index)`.
+
+        n_valid < T: rows >= n_valid are bucket padding (no KV write, no expert reads; their outputs
+        and snapshots are meaningless), so one width serves several draft lengths. `tokens` may be a
+        device int32 array (no host round trip)."""
+        if not isinstance(tokens, jax.Array):
+            tokens = np.asarray(tokens, np.int32)
+        T = tokens.shape[0] if tokens.ndim == 1 else -1
+        if T < 2:
+            raise InputError(f"verify_step needs a 1-D row of at least 2 tokens, got shape {tokens.shape}")
+        n_valid = T if n_valid is None else int(n_valid)
+        if not 1 <= n_valid <= T:
+            raise InputError(f"verify_step n_valid must be in [1, {T}], got {n_valid}")
+        if pos + n_valid > self.max_context:
+            raise InputError(f"{pos + n_valid} positions exceed max_context = {self.max_context}")
+        return self._fns.verify(self.params, state, tokens, np.int32(pos), np.int32(n_valid))
+
+    def commit(self, state: DecodeState, snaps: Snapshots, index: int) -> DecodeState:
+        """Set the GDN state to snapshot `index` (the state after verify row `index`)."""
+        return self._fns.commit(state, snaps, np.int32(index))

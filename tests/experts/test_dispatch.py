@@ -1,0 +1,243 @@
+"""Routed-expert dispatch: the grouped path equals the per-token reference bit for bit.
+
+Every case checks grouped == per_token with `chex.assert_trees_all_equal` on the full [N, D] output,
+no NaN, and the executed expert-load counters (per-token N*k, grouped = unique experts). The fast tier
+covers N from 1 to 64 and top-k from 1 to 8 (every value of each, including skewed routing and unused
+experts) for F32, Q8_0 and Q4_K weights; the full N x k grid is `slow`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import quants as gq
+
+from sharpi_jax.experts import dispatch as dp
+from sharpi_jax.experts.expert_weights import ExpertWeights
+
+E, F, D = 16, 256, 256  # Q4_K needs rows of 256 in both directions (down's K is F)
+QTYPES = ("f32", "q8_0", "q4_k")
+
+
+@functools.cache
+def _experts(qtype: str, layout: str = "soa") -> ExpertWeights:
+    ew = ExpertWeights.random(np.random.default_rng(sum(map(ord, qtype))), E, F, D, qtype)
+    return ew.to_soa() if layout == "soa" else ew
+
+
+def _routing(rng, n, k, *, experts=None, same_for_all=False):
+    pool = np.arange(E) if experts is None else np.asarray(experts)
+    if same_for_all:
+        sel = np.tile(rng.permutation(pool)[:k], (n, 1))
+    else:
+        sel = np.stack([rng.permutation(pool)[:k] for _ in range(n)])
+    w = rng.random((n, k)).astype(np.float32) + 0.1
+    w /= w.sum(axis=1, keepdims=True)
+    u = rng.standard_normal((n, D)).astype(np.float32)
+    return jnp.asarray(u), jnp.asarray(sel.astype(np.int32)), jnp.asarray(w)
+
+
+def _assert_parity(ew, u, sel, w, row_kernel="gemm", row_tile=None):
+    a, sa = dp.routed_experts(u, sel, w, ew, "per_token", row_kernel=row_kernel, with_stats=True)
+    b, sb = dp.routed_experts(u, sel, w, ew, "grouped", row_kernel=row_kernel, row_tile=row_tile,
+                              with_stats=True)
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == (u.shape[0], D)
+    assert not np.isnan(b).any() and not np.isnan(a).any()
+    chex.assert_trees_all_equal(b, a)
+    n_unique = len(np.unique(np.asarray(sel)))
+    assert int(sa["expert_loads"]) == sel.size
+    assert int(sb["expert_loads"]) == n_unique
+    return a
+
+
+# Every N in {1, 2, 3, 4, 5, 8, 13, 31, 64} and every k in 1..8 appears at least once.
+FAST_CASES = [(1, 1), (1, 8), (2, 3), (3, 8), (4, 2), (5, 5), (8, 6), (13, 4), (31, 7), (64, 8), (64, 1)]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n,k", FAST_CASES)
+def test_grouped_equals_per_token_gemm(qtype, n, k):
+    rng = np.random.default_rng(1000 * n + k)
+    _assert_parity(_experts(qtype), *_routing(rng, n, k))
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q4_k"])
+@pytest.mark.parametrize("n,k", [(1, 8), (3, 8), (13, 4), (64, 8)])
+def test_grouped_equals_per_token_gemv(qtype, n, k):
+    rng = np.random.default_rng(2000 * n + k)
+    _assert_parity(_experts(qtype), *_routing(rng, n, k), row_kernel="gemv")
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_skewed_routing_all_rows_to_the_same_experts(qtype):
+    rng = np.random.default_rng(3)
+    ew = _experts(qtype)
+    _assert_parity(ew, *_routing(rng, 64, 1, experts=[5], same_for_all=True))  # 64 rows on one expert
+    _assert_parity(ew, *_routing(rng, 21, 8, same_for_all=True))  # 8 experts x 21 rows: many tiles each
+    _assert_parity(ew, *_routing(rng, 21, 8, same_for_all=True), row_kernel="gemv")
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_unused_experts(qtype):
+    rng = np.random.default_rng(4)
+    _assert_parity(_experts(qtype), *_routing(rng, 32, 5, experts=[0, 3, 6, 9, 15]))  # 11 experts unused
+    _assert_parity(_experts(qtype), *_routing(rng, 7, 2, experts=[14, 15]))
+
+
+@pytest.mark.parametrize("row_tile", [2, 3, 16])
+def test_any_row_tile_gives_the_same_bits(row_tile):
+    rng = np.random.default_rng(5)
+    _assert_parity(_experts("f32"), *_routing(rng, 31, 7), row_tile=row_tile)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Row i of a batch equals routing row i alone (what batched verify == sequential decode needs)."""
+    rng = np.random.default_rng(6)
+    ew = _experts("q4_k")
+    u, sel, w = _routing(rng, 9, 8)
+    for mode in ("per_token", "grouped"):
+        full = np.asarray(dp.routed_experts(u, sel, w, ew, mode))
+        for i in (0, 4, 8):
+            alone = np.asarray(dp.routed_experts(u[i:i + 1], sel[i:i + 1], w[i:i + 1], ew, mode))
+            chex.assert_trees_all_equal(alone[0], full[i])
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k"])
+def test_gguf_and_soa_layouts_give_the_same_bits(qtype):
+    rng = np.random.default_rng(7)
+    u, sel, w = _routing(rng, 6, 4)
+    soa = _assert_parity(_experts(qtype, "soa"), u, sel, w)
+    raw = _assert_parity(_experts(qtype, "gguf"), u, sel, w)
+    chex.assert_trees_all_equal(raw, soa)
+    chex.assert_trees_all_equal(_experts(qtype, "soa").to_gguf().gate, _experts(qtype, "gguf").gate)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matches_float64_numpy_oracle(qtype):
+    """Independent truth: gguf.quants dequantization and float64 numpy, one token at a time."""
+    rng = np.random.default_rng(8)
+    ew = _experts(qtype, "gguf")
+    u, sel, w = _routing(rng, 5, 8)
+
+    def dq(a, n_cols):
+        if qtype == "f32":
+            return np.asarray(a, np.float64)
+        return gq.dequantize(np.asarray(a), gguf.GGMLQuantizationType[qtype.upper()]).astype(np.float64)
+
+    wg, wu, wd = dq(ew.gate, D), dq(ew.up, D), dq(ew.down, F)
+    un, seln, wn = np.asarray(u, np.float64), np.asarray(sel), np.asarray(w, np.float64)
+    want = np.zeros((5, D))
+    for i in range(5):
+        for j in range(8):
+            e = seln[i, j]
+            want[i] += wn[i, j] * (wd[e] @ (_silu(wg[e] @ un[i]) * (wu[e] @ un[i])))
+    got = np.asarray(dp.routed_experts(u, sel, w, _experts(qtype), "grouped"))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_pallas_mode_interpret():
+    """The kernel path (interpret mode) agrees numerically and is batch-invariant bit for bit."""
+    rng = np.random.default_rng(9)
+    ew = _experts("q4_k")
+    packed = dp.pack_expert_weights(ew)
+    u, sel, w = _routing(rng, 5, 2)
+    run = functools.partial(dp.routed_experts, mode="pallas", interpret=True, block_m=8, block_n=128)
+    got, stats = run(u, sel, w, packed, with_stats=True)
+    got = np.asarray(got)
+    assert not np.isnan(got).any()
+    assert int(stats["expert_loads"]) == len(np.unique(np.asarray(sel)))
+    ref = np.asarray(dp.routed_experts(u, sel, w, ew, "per_token"))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    alone = np.asarray(run(u[3:4], sel[3:4], w[3:4], packed))
+    chex.assert_trees_all_equal(alone[0], got[3])
+
+
+# ----------------------------------------------------------------------------- bucketing & counters
+
+
+def test_bucket_matches_numpy():
+    rng = np.random.default_rng(10)
+    for n, k, skew in ((1, 1, False), (9, 4, False), (40, 8, False), (33, 3, True)):
+        sel = _routing(rng, n, k, same_for_all=skew)[1]
+        b = jax.jit(dp.bucket, static_argnums=1)(sel, E)
+        flat = np.asarray(sel).reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        counts = np.bincount(flat, minlength=E)
+        np.testing.assert_array_equal(np.asarray(b.order), order)
+        np.testing.assert_array_equal(np.asarray(b.token), order // k)
+        np.testing.assert_array_equal(np.asarray(b.counts), counts)
+        np.testing.assert_array_equal(np.asarray(b.starts), np.cumsum(counts) - counts)
+        used = np.flatnonzero(counts)
+        assert int(b.n_used) == used.size
+        np.testing.assert_array_equal(np.asarray(b.used)[:used.size], used)
+        np.testing.assert_array_equal(order[np.asarray(b.inv_order)], np.arange(n * k))
+
+
+def test_dispatch_stats_and_counts():
+    sel = np.array([[3, 1], [3, 2], [1, 3]], np.int32)
+    s = dp.dispatch_stats(sel, 8, bytes_per_expert=1000)
+    assert (s["tokens"], s["top_k"], s["pairs"], s["unique_experts"]) == (3, 2, 6, 3)
+    np.testing.assert_array_equal(s["rows_per_expert"], [0, 2, 1, 3, 0, 0, 0, 0])
+    assert s["max_rows_per_expert"] == 3
+    assert s["bytes_per_token"] == 6000 and s["bytes_grouped"] == 3000 and s["read_ratio"] == 2.0
+    unique, counts = jax.jit(dp.dispatch_counts, static_argnums=1)(jnp.asarray(sel), 8)
+    assert int(unique) == 3
+    np.testing.assert_array_equal(np.asarray(counts), s["rows_per_expert"])
+
+
+def test_bytes_per_expert_is_the_storage_size():
+    for qtype in QTYPES:
+        ew = _experts(qtype, "gguf")
+        assert ew.bytes_per_expert * E == sum(a.nbytes for a in jax.tree.leaves(ew))
+        assert _experts(qtype).bytes_per_expert * E == sum(a.nbytes for a in jax.tree.leaves(_experts(qtype)))
+
+
+def test_bad_inputs_raise():
+    ew = _experts("f32")
+    u, sel, w = _routing(np.random.default_rng(11), 2, 2)
+    with pytest.raises(ValueError, match="mode"):
+        dp.routed_experts(u, sel, w, ew, "dense")
+    with pytest.raises(ValueError, match="row_tile"):
+        dp.routed_experts(u, sel, w, ew, "grouped", row_tile=1)
+    with pytest.raises(ValueError, match="shapes"):
+        dp.routed_experts(u[:1], sel, w, ew)
+    bad = ExpertWeights(ew.gate, ew.up, ew.down[:, :, :128])
+    with pytest.raises(ValueError, match="down"):
+        dp.routed_experts(u, sel, w, bad)
+
+
+# ----------------------------------------------------------------------------- full grid (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_full_grid_n_1_to_64_k_1_to_8(qtype):
+    rng = np.random.default_rng(12)
+    for n in range(1, 65):
+        for k in range(1, 9):
+            _assert_parity(_experts(qtype), *_routing(rng, n, k))
+        jax.clear_caches()  # 1024 executables otherwise stay alive (~80 MB per N)
+
+
+def test_dispatch_config_is_the_same_call():
+    rng = np.random.default_rng(13)
+    ew = _experts("q8_0")
+    u, sel, w = _routing(rng, 6, 3)
+    cfg = dp.DispatchConfig(mode="grouped", row_kernel="gemm", row_tile=4)
+    chex.assert_trees_all_equal(np.asarray(cfg(u, sel, w, ew)),
+                                np.asarray(dp.routed_experts(u, sel, w, ew, "per_token")))
+    assert hash(cfg) == hash(dp.DispatchConfig(mode="grouped", row_kernel="gemm", row_tile=4))
+    with pytest.raises(ValueError):
+        dp.DispatchConfig(mode="nope")
+    assert dp.row_tiles(1) == (2,) and dp.row_tiles(5) == (2, 4, 8) and dp.row_tiles(64) == (2, 4, 8, 16)

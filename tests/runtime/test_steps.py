@@ -1,0 +1,151 @@
+"""Runtime steps: verify-vs-decode bit parity (the MTP verify design), rollback, determinism."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+import sharpi_jax as sj
+from sharpi_jax.runtime.state import state_bytes
+
+FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
+MAX_CONTEXT = 512
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"reference fixture {path} is absent (expected ../shared/fixtures beside the repo)")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def engine(name: str, variant: str):
+    return sj.load(_need(FIXTURES / name / f"{name}-{variant}.gguf"), max_context=MAX_CONTEXT)
+
+
+@functools.lru_cache(maxsize=None)
+def references(name: str) -> dict:
+    return json.loads(_need(FIXTURES / name / "references.json").read_text())
+
+
+def _prefilled(e, prompt):
+    rt = e.runtime
+    _, logits, state = rt.prefill(rt.new_state(), prompt)
+    return logits, state
+
+
+def _sequential(e, state, tokens, pos):
+    """len(tokens) single-token decode steps; per-row logits, hidden and GDN state after each row."""
+    rows = []
+    for j, t in enumerate(tokens):
+        logits, hidden, state = e.runtime.decode_step(state, t, pos + j)
+        # Copy to host: the next step donates (deletes) this state's buffers.
+        rows.append(jax.tree.map(np.asarray, (logits, hidden, state.conv, state.ssm)))
+    return rows, state
+
+
+def _check_verify_parity(e, prompt, tokens):
+    T = len(tokens)
+    pos = len(prompt)
+    _, state = _prefilled(e, prompt)
+    rows, seq_state = _sequential(e, state, tokens, pos)
+    _, state = _prefilled(e, prompt)
+    logits, hidden, ver_state, snaps = e.runtime.verify_step(state, tokens, pos)
+    chex.assert_trees_all_equal(logits, np.stack([r[0] for r in rows]))
+    chex.assert_trees_all_equal(hidden, np.stack([r[1] for r in rows]))
+    for j in range(T):  # GDN snapshot j == the state after j+1 single steps
+        chex.assert_trees_all_equal(tuple(c[j] for c in snaps.conv), rows[j][2])
+        chex.assert_trees_all_equal(tuple(s[j] for s in snaps.ssm), rows[j][3])
+    chex.assert_trees_all_equal(ver_state.k, seq_state.k)
+    chex.assert_trees_all_equal(ver_state.v, seq_state.v)
+    committed = e.runtime.commit(ver_state, snaps, T - 1)
+    chex.assert_trees_all_equal(committed, seq_state)
+
+
+@pytest.mark.parametrize("T", range(2, 9))
+def test_verify_is_bitwise_sequential_decode(T):
+    """A T-row verify step == T single-token decode steps, bit for bit: logits, final-normed hidden,
+    per-row GDN conv/SSM snapshots and the KV cache."""
+    name = "tiny-qwen35moe"
+    ref = references(name)
+    prompt = ref["variants"][f"{name}-F32"]["tokens"][0]
+    tokens = ref["transformers"]["greedy"][0][:T]
+    _check_verify_parity(engine(name, "F32"), prompt, tokens)
+
+
+@pytest.mark.parametrize("name,variant,T", [("tiny-qwen35moe", "Q4_K_M", 3), ("tiny-qwen3next", "F32", 4)])
+def test_verify_parity_other_models(name, variant, T):
+    """Same parity with mixed quant types dequantized in the step, and the grouped GDN layout."""
+    ref = references(name)
+    prompt = ref["variants"][f"{name}-{variant}"]["tokens"][1]
+    rng = np.random.default_rng(T)
+    tokens = [int(t) for t in rng.integers(0, engine(name, variant).config.n_vocab, T)]
+    _check_verify_parity(engine(name, variant), prompt, tokens)
+
+
+def test_rollback_by_snapshot():
+    """Verify 4 drafts, accept 1 (commit snapshot 1, length P+2), continue: the same bits as decoding
+    the 2 accepted tokens and the next one sequentially. Stale KV rows past the length stay masked."""
+    name = "tiny-qwen35moe"
+    e = engine(name, "F32")
+    ref = references(name)
+    prompt = ref["variants"][f"{name}-F32"]["tokens"][2]
+    pos = len(prompt)
+    drafts = [11, 22, 33, 44]
+    nxt = 55
+    _, state = _prefilled(e, prompt)
+    _, _, state, snaps = e.runtime.verify_step(state, drafts, pos)
+    state = e.runtime.commit(state, snaps, 1)
+    got = e.runtime.decode_step(state, nxt, pos + 2)
+    _, state = _prefilled(e, prompt)
+    _, state = _sequential(e, state, drafts[:2], pos)
+    want = e.runtime.decode_step(state, nxt, pos + 2)
+    chex.assert_trees_all_equal(got[:2], want[:2])
+    chex.assert_trees_all_equal((got[2].conv, got[2].ssm), (want[2].conv, want[2].ssm))
+
+
+def test_decode_continues_prefill():
+    """Prefill T-1 tokens then decode the last one ~= teacher-forced logits at T-1 (chunked vs recurrent)."""
+    name = "tiny-qwen35"
+    e = engine(name, "F32")
+    prompt = references(name)["variants"][f"{name}-F32"]["tokens"][2]
+    full = e.logits(prompt)
+    _, state = _prefilled(e, prompt[:-1])
+    logits, hidden, _ = e.runtime.decode_step(state, prompt[-1], len(prompt) - 1)
+    logits = np.asarray(logits)
+    assert np.linalg.norm(logits - full[-1]) / np.linalg.norm(full[-1]) <= 1e-5
+    assert hidden.shape == (e.config.d_model,)
+
+
+def test_determinism():
+    """Two runs give bitwise-identical logits and tokens (greedy and seeded sampling)."""
+    name = "tiny-qwen35moe"
+    e = engine(name, "F32")
+    prompt = references(name)["variants"][f"{name}-F32"]["tokens"][2]
+    chex.assert_trees_all_equal(e.logits(prompt), e.logits(prompt))
+    for kw in ({}, {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "min_p": 0.02, "seed": 7}):
+        a = e.generate(prompt, max_new_tokens=16, stop_on_eos=False, **kw)
+        b = e.generate(prompt, max_new_tokens=16, stop_on_eos=False, **kw)
+        assert a.tokens == b.tokens and len(a.tokens) == 16
+    c = e.generate(prompt, max_new_tokens=16, stop_on_eos=False, temperature=0.9, seed=8)
+    d = e.generate(prompt, max_new_tokens=16, stop_on_eos=False, temperature=0.9, seed=9)
+    assert c.tokens != d.tokens  # different seeds draw differently (overwhelmingly likely at T=0.9)
+
+
+def test_state_layout():
+    name = "tiny-qwen35moe"
+    e = engine(name, "F32")
+    c = e.config
+    s = e.runtime.new_state()
+    assert len(s.k) == len(c.attention_layers) and len(s.conv) == len(c.gdn_layers)
+    assert s.k[0].shape == (c.n_head_kv, MAX_CONTEXT, c.head_dim)
+    assert s.conv[0].shape == (c.ssm_conv_kernel - 1, c.conv_dim)
+    assert s.ssm[0].shape == (c.ssm_dt_rank, c.ssm_d_inner // c.ssm_dt_rank, c.ssm_d_state)
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(s))
+    assert state_bytes(c, MAX_CONTEXT) == sum(x.nbytes for x in jax.tree.leaves(s))
