@@ -26,9 +26,10 @@ flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p x the top probability 
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("max_context", 4096, "KV cache positions (prompt + generated).")
 flags.DEFINE_bool("stop_on_eos", True, "Stop at an end-of-generation token.")
-flags.DEFINE_enum("speculative", None, ["mtp"], "Speculative decoding (MTP: not implemented yet).")
-flags.DEFINE_integer("draft_tokens", 3, "MTP draft length.")
-flags.DEFINE_enum("verify", "batched", ["batched", "sequential"], "MTP verify mode.")
+flags.DEFINE_enum("speculative", None, ["mtp"], "Speculative decoding: mtp = the model's MTP head drafts.")
+flags.DEFINE_integer("draft_tokens", 3, "MTP draft length k (tokens drafted per trunk pass).")
+flags.DEFINE_enum("verify", "batched", ["batched", "sequential"],
+                  "MTP verify: one trunk pass over the k+1 rows, or one single-token step per row.")
 flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 
@@ -41,7 +42,8 @@ def main(argv) -> int:
     try:
         engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context)
         if FLAGS.warmup:
-            engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature)
+            engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature,
+                            speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
         out = engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                               top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p, seed=FLAGS.seed,
                               stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
@@ -58,6 +60,10 @@ def main(argv) -> int:
               f"{s['generated_tokens']} generated, {s['decode_tok_s']:.1f} tok/s decode; "
               f"stop: {s['stop_reason']}" + ("" if FLAGS.warmup else "; timings include jit compilation") + "]",
               file=sys.stderr)
+        if s.get("speculative") == "mtp":
+            print(f"[MTP k={s['draft_tokens']} ({s['verify']} verify): {s['accepted']}/{s['drafted']} drafts accepted "
+                  f"({s['acceptance_rate']:.1%}), {s['mean_accept_len']:.2f} tokens per trunk pass, "
+                  f"per position {', '.join(f'{x:.2f}' for x in s['accept_per_position'])}]", file=sys.stderr)
     return 0
 
 

@@ -16,12 +16,14 @@ import numpy as np
 
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
+from sharpi_jax.experts import residency as expert_residency
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
 from sharpi_jax.model.moe import EXPERT_MODES
-from sharpi_jax.model.weights import load_model
+from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
+from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
 from sharpi_jax.runtime.steps import DEFAULT_PREFILL_BUCKETS, Runtime
 
 SPECULATIVE_MODES = (None, "mtp")
@@ -45,7 +47,8 @@ class Engine:
 
     def __init__(self, path: str | os.PathLike[str], max_context: int = 4096, dtype: Any = jnp.float32, *,
                  prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, progress: bool | None = None,
-                 expert_mode: str = "grouped"):
+                 expert_mode: str = "grouped", expert_budget: int | None = None, expert_policy: str = "frequency",
+                 **residency_options: Any):
         _check_dtype(dtype)
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise InputError(f"max_context must be a positive integer, got {max_context!r}")
@@ -55,8 +58,13 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata, source=self.gguf.source)
         if expert_mode not in EXPERT_MODES:
             raise InputError(f"expert_mode must be one of {EXPERT_MODES}, got {expert_mode!r}")
-        self.model = load_model(self.gguf, self.config, progress=progress, expert_mode=expert_mode)
+        self.expert_mode = expert_mode
+        self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
+                                                    **residency_options)
+        self.model = load_model(self.gguf, self.config, progress=progress, expert_mode=expert_mode,
+                                residency=self.residency)
         self.runtime = Runtime(self.model, int(max_context), prefill_buckets)
+        self._mtp: MTPRuntime | None = None
 
     @property
     def max_context(self) -> int:
@@ -117,13 +125,52 @@ class Engine:
         """Teacher-forced logits [len(ids), vocab] float32."""
         return self.forward(ids)[0]
 
+    @property
+    def mtp(self) -> MTPRuntime:
+        """The MTP head's runtime, loaded on first use (it shares the trunk's embedding and LM head)."""
+        if self._mtp is None:
+            if not self.config.has_mtp:
+                raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
+            head = load_mtp(self.gguf, self.config, self.model, expert_mode=self.expert_mode)
+            self._mtp = MTPRuntime(head, self.max_context)
+        return self._mtp
+
+    def mtp_logits(self, ids: Sequence[int], zero_h_first: bool = False) -> np.ndarray:
+        """Teacher-forced MTP logits [len(ids) - 1, vocab] at positions 1..T-1 from pairs (ids[p],
+        final-normed trunk hidden h[p-1]). zero_h_first: also feed (ids[0], h = 0) first (llama.cpp)."""
+        ids = self.check_ids(ids)
+        if len(ids) < 2:
+            raise InputError("mtp_logits needs at least 2 tokens")
+        return teacher_forced_mtp_logits(self.runtime, self.mtp, ids, zero_h_first)
+
+    # ----- expert residency -----
+    def expert_stats(self, since: dict | None = None) -> dict:
+        """Expert residency stats (hit rate per layer, bytes streamed per token, callback time,
+        evictions) since `since` (a `expert_counters()` snapshot) or since load. {} without a budget."""
+        if self.residency is None:
+            return {}
+        res = self.residency
+        now = res.counters(self.runtime)
+        return res.stats(since if since is not None else res.zero_counters(now), now)
+
+    def expert_counters(self) -> dict | None:
+        """A snapshot of the cumulative residency counters (pass it to `expert_stats`)."""
+        return None if self.residency is None else self.residency.counters(self.runtime)
+
+    def calibrate_experts(self, prompts: Sequence[Any], save: bool | str = True) -> dict[int, list[int]]:
+        """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
+        return expert_residency.calibrate(self, prompts, save)
+
     def generate(self, ids_or_text: Any, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched") -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
 
-        speculative / draft_tokens / verify are the MTP options (MTP speculative decoding is not
-        implemented yet: speculative="mtp" raises InputError).
+        speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
+        in one pass ("batched") or token by token ("sequential", the reference). The tokens are exactly
+        those of speculative=None (greedy or seeded sampling alike); out.stats adds drafted, accepted,
+        acceptance_rate, mean_accept_len, accept_per_position, verify_passes, draft_s, verify_s.
+        With an expert budget, out.stats["experts"] is this run's residency cost (`expert_stats`).
         """
         if speculative not in SPECULATIVE_MODES:
             raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
@@ -131,14 +178,19 @@ class Engine:
             raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) or draft_tokens < 1:
             raise InputError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
-        if speculative == "mtp":
-            raise InputError("speculative='mtp' is not implemented yet (MTP head and verify loop: issue 4)")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         ids = self._prompt_ids(ids_or_text)
+        before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if stop_on_eos else ()
-        tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids)
+        if speculative == "mtp":
+            tokens, stats = generate_mtp(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
+                                         int(draft_tokens), verify)
+        else:
+            tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids)
+        if self.residency is not None:
+            stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))
         shown = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
         return GenerateOutput(tokens=tokens, text=self.tokenizer.decode(shown), stats=stats)
 
@@ -149,7 +201,9 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
 
     Options: max_context (KV cache positions), dtype (float32 only), prefill_buckets (prefill chunk
     sizes, each compiled once), progress (tqdm bar; default: files >= 256 MiB), expert_mode
-    ("grouped" | "per_token" routed-expert dispatch; bitwise equal).
+    ("grouped" | "per_token" routed-expert dispatch; bitwise equal), expert_budget (bytes of routed experts
+    kept on the device; None: all) and expert_policy ("static" | "frequency" | "lru" | "slru"), plus the
+    residency options of `sharpi_jax.experts.residency.configure` (device_budget, expert_counts, ...).
     """
     if path is None:
         from sharpi_jax.assets import default_model_path

@@ -48,7 +48,7 @@ from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import quant_blocks as qb
 from pallas_kernels.weighted_reduce import kernel as wr_kernel
 from pallas_kernels.weighted_reduce import reference as wr_reference
-from sharpi_jax.experts.expert_weights import ExpertWeights, row_bytes
+from sharpi_jax.experts.expert_weights import ExpertWeights
 
 MODES = ("per_token", "grouped", "pallas")
 ROW_KERNELS = ("gemm", "gemv")
@@ -261,7 +261,9 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
 class PackedExpertWeights:
     """Expert weights in the kernels' struct-of-arrays layout (`pallas_kernels.quant_blocks`).
 
-    Pack once at load time (`pack_expert_weights`): packing reads every expert.
+    Pack once at load time (`pack_expert_weights`): packing reads every expert. `bytes_per_expert`
+    is the GGUF storage size (the kernel layout holds Q4_K's 6-bit scales unpacked: 148 B per 256
+    weights instead of 144).
     """
 
     gate: dict[str, jax.Array]
@@ -283,6 +285,7 @@ def pack_expert_weights(experts: ExpertWeights) -> PackedExpertWeights:
     for q in (experts.gate_qtype, experts.up_qtype, experts.down_qtype):
         if q not in gm.WEIGHT_FIELDS:
             raise NotImplementedError(f"the grouped-matmul kernel reads f32/f16/q8_0/q4_k, not {q}")
+
     def pack(m, qtype, n_cols):
         if isinstance(m, dict):  # SoA layout
             return qb.soa_to_kernel(m, qtype)
@@ -309,7 +312,9 @@ def _pallas(u, sel, packed: PackedExpertWeights, block_m: int, block_n: int, int
     g = mm(x, packed.gate, layout.tile_group, qtype=packed.gate_qtype)
     up = mm(x, packed.up, layout.tile_group, qtype=packed.up_qtype)
     y = mm(jax.nn.silu(g) * up, packed.down, layout.tile_group, qtype=packed.down_qtype)
-    loads = (layout.group_sizes > 0).sum().astype(jnp.int32)
+    # Each used row tile reads its expert's matrices once: one load per unique expert as long as no
+    # bucket exceeds block_m rows (verify batches), more for heavily shared experts in a prefill.
+    loads = (layout.tile_group >= 0).sum().astype(jnp.int32)
     return gm.gather_rows(y, layout).reshape(n, k, d), loads
 
 

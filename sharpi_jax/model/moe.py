@@ -113,13 +113,16 @@ class MoE(nnx.Module):
     """Routed experts + sigmoid-gated shared expert. The router and the shared-expert gate vector are
     fused into one [D, E+1] f32 matrix (one row-stable matmul instead of a matmul and a matvec)."""
 
-    def __init__(self, c: ModelConfig, expert_qtypes: tuple[int, int, int], expert_mode: str = "grouped"):
+    def __init__(self, c: ModelConfig, expert_qtypes: tuple[int, int, int], expert_mode: str = "grouped",
+                 experts: nnx.Module | None = None):
+        """experts: a replacement for the routed experts (`residency.ResidentExperts`), or None."""
         if expert_mode not in EXPERT_MODES:
             raise ValueError(f"expert_mode must be one of {EXPERT_MODES}, got {expert_mode!r}")
         self.n_expert, self.k, self.expert_mode = c.n_expert, c.n_expert_used, expert_mode
         self.has_shared = c.shared_expert_ff > 0
         self.router = Linear(c.d_model, c.n_expert + (1 if self.has_shared else 0))
-        self.experts = RoutedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes)
+        self.experts = experts if experts is not None else RoutedExperts(c.n_expert, c.d_model, c.expert_ff,
+                                                                          expert_qtypes)
         self.shared = SwiGLU(c.d_model, c.shared_expert_ff) if self.has_shared else None
 
     def __call__(self, u: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -130,7 +133,10 @@ class MoE(nnx.Module):
         if valid is not None:
             sel = jnp.where(valid[:, None], sel, sel[:1])
             w = jnp.where(valid[:, None], w, 0.0)
-        out = routed_experts(u, sel, w, self.experts.weights(), mode=self.expert_mode)
+        if getattr(self.experts, "resident", False):  # residency: slot stack + LUT, same bits
+            out = self.experts(u, sel, w, valid, self.expert_mode)
+        else:
+            out = routed_experts(u, sel, w, self.experts.weights(), mode=self.expert_mode)
         if self.has_shared:
             out = out + jax.nn.sigmoid(r[:, self.n_expert:]) * self.shared(u)
         return out

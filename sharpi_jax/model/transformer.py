@@ -43,14 +43,15 @@ class Block(nnx.Module):
     """One decoder block: x + mixer(norm x), then + ffn(norm h). Also the shape of the MTP block."""
 
     def __init__(self, c: ModelConfig, layer: int, expert_qtypes: tuple[int, int, int] | None = None,
-                 expert_mode: str = "grouped"):
+                 expert_mode: str = "grouped", residency: Any = None):
         self.layer = layer
         self.is_recurrent = c.is_recurrent(layer)
         self.attn_norm = RMSNorm(c.d_model, c.rms_eps)
         self.post_norm = RMSNorm(c.d_model, c.rms_eps)
         self.mixer = GatedDeltaNet(c) if self.is_recurrent else GatedAttention(c)
         self.is_moe = c.is_moe
-        self.ffn = MoE(c, expert_qtypes, expert_mode) if c.is_moe else SwiGLU(c.d_model, c.dense_ff)
+        experts = residency.experts_module(layer) if residency is not None and c.is_moe else None
+        self.ffn = MoE(c, expert_qtypes, expert_mode, experts) if c.is_moe else SwiGLU(c.d_model, c.dense_ff)
 
     def feed_forward(self, h: jax.Array, valid: jax.Array) -> jax.Array:
         u = self.post_norm(h)
@@ -60,9 +61,11 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """The trunk of a qwen35moe / qwen35 / qwen3next model (MTP blocks excluded)."""
 
-    def __init__(self, c: ModelConfig, qtypes: Mapping[str, int], expert_mode: str = "grouped"):
+    def __init__(self, c: ModelConfig, qtypes: Mapping[str, int], expert_mode: str = "grouped",
+                 residency: Any = None):
         """`qtypes`: ggml type of every tensor kept in block format (token_embd and routed experts);
-        expert_mode: the routed-expert dispatch ("grouped" or "per_token", bitwise equal)."""
+        expert_mode: the routed-expert dispatch ("grouped" or "per_token", bitwise equal);
+        residency: a `sharpi_jax.experts.residency.Residency` (expert slots + streaming), or None."""
         self.config = c
         self.embed = TokenEmbedding(c.n_vocab, c.d_model, qtypes["token_embd.weight"])
         layers = []
@@ -70,7 +73,7 @@ class Transformer(nnx.Module):
             eq = None
             if c.is_moe:
                 eq = tuple(qtypes[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
-            layers.append(Block(c, i, eq, expert_mode))
+            layers.append(Block(c, i, eq, expert_mode, residency))
         self.layers = nnx.List(layers)
         self.output_norm = RMSNorm(c.d_model, c.rms_eps)
         self.lm_head = Linear(c.d_model, c.n_vocab)

@@ -224,15 +224,19 @@ def _fill(f: GGUFFile, make: Callable[[], nnx.Module], source: Callable[[tuple],
 
 
 def load_model(f: GGUFFile, config: ModelConfig, progress: bool | None = None,
-               expert_mode: str = "grouped") -> Transformer:
-    """Build the Transformer (trunk) of an open GGUF. progress=None shows a tqdm bar for large files."""
+               expert_mode: str = "grouped", residency=None) -> Transformer:
+    """Build the Transformer (trunk) of an open GGUF. progress=None shows a tqdm bar for large files.
+    residency: a `sharpi_jax.experts.residency.Residency`: routed experts go into its device slots
+    (only the resident ones are read) instead of whole [E, ...] stacks."""
     _check_supported(f)
     if progress is None:
         progress = f.file_size >= PROGRESS_MIN_BYTES
     qtypes = _qtypes(f, config)
     memo: dict = {}
-    return _fill(f, lambda: Transformer(config, qtypes, expert_mode), lambda path: _param_source(f, config, path, memo),
-                 progress)
+    source = lambda path: _param_source(f, config, path, memo)  # noqa: E731
+    if residency is not None:
+        source = residency.wrap_source(source)
+    return _fill(f, lambda: Transformer(config, qtypes, expert_mode, residency), source, progress)
 
 
 def load_block(f: GGUFFile, config: ModelConfig, layer: int, expert_mode: str = "grouped") -> Block:

@@ -7,21 +7,26 @@ One pass, with P the position of the certain token t and h[P-1] the target's fin
    (they are independent rows of one bucket; row results are bitwise those of separate calls), then
    steps i = 1..k-1 on (d_i, h'_{i-1}), h' being the head's own post-shared_head_norm output.
    Drafts are greedy (argmax of the MTP logits), as llama.cpp's top-k(10)-then-best draft sampler.
-2. Verify: `Runtime.verify_step` over [t, d1..dk] at P..P+k, GDN snapshots after every row
-   ("batched"), or single-token `decode_step`s that stop at the first mismatch ("sequential": the
-   reference; its rows are bitwise the batched rows, so both give the same tokens).
+2. Verify: one trunk pass over [t, d1..dk] at P..P+k keeping the GDN snapshots after every row
+   (`Runtime.commit_verify`: the previous pass's rollback, the verify rows and their argmax in one
+   dispatch) ("batched"), or single-token `decode_step`s that stop at the first mismatch ("sequential":
+   the reference; its rows are bitwise the batched rows, so both give the same tokens).
 3. Accept a = number of leading drafts equal to the target's token of the previous row (greedy
    argmax, or the seeded sampler with the key of that generated-token index: exact-match acceptance,
    so sampled output equals non-speculative sampled output). The target's token at row a is the next
    certain token; nothing is re-decoded.
-4. Rollback: `commit(state, snaps, a)` selects the GDN conv/SSM snapshot after row a; the trunk and MTP
-   KV lengths are host-side (P + a + 1): rows past them are masked and overwritten later.
+4. Rollback: select the GDN conv/SSM snapshot after row a (`commit`, applied at the start of the next
+   trunk pass); the trunk and MTP KV lengths are host-side (P + a + 1): rows past them are masked and
+   overwritten later.
 
 All three archs (qwen35moe, qwen35, qwen3next) roll back by snapshot selection. (llama.cpp does that
 for qwen35/qwen35moe but restores a checkpoint and re-decodes the accepted tokens for qwen3next.)
 
-MTP KV position 0 pairs token 0 with h = 0, as llama.cpp (`pending_h` zero-initialised); this is also
-what the transformers reference logits match (tests/model/test_mtp.py).
+The MTP sequence starts at trunk position 1: the pair (x_p, h[p-1]) sits at MTP position p - 1, and
+token 0 has no MTP row. That is how the head was trained, and the transformers reference MTP logits
+match it to ~2e-7 (tests/model/test_mtp.py). llama.cpp instead also writes a row for (x_0, h = 0) at
+position 0 (`pending_h` zero-initialised), which every later MTP row attends to and which moves the
+reference logits by 1e-2 to 3e-1 (relative L2); `zero_h_first=True` reproduces llama.cpp's convention.
 
 Shapes: drafts are computed into a fixed number of slots K (`width`, default k), the verify step has
 K + 1 rows and the fused MTP call K + 2 rows, so each compiles once per K; shorter drafts (context
@@ -55,12 +60,9 @@ def _mtp_fns(graphdef, treedef):
     def merge(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def rows(params, cache, tokens, h_prev, hidden, start, n_valid):
-        """Rows tokens[i] at start + i paired with (h_prev, hidden[0], hidden[1], ...)[i]."""
-        mtp = merge(params)
-        hs = jnp.concatenate([h_prev[None], hidden])
-        hp, k, v = mtp(tokens, hs[: tokens.shape[0]], start, n_valid, cache.k, cache.v)
-        return hp, MTPCache(k, v), hs[n_valid]
+    def rows(params, cache, tokens, hs, start, n_valid):
+        hp, k, v = merge(params)(tokens, hs, start, n_valid, cache.k, cache.v)
+        return hp, MTPCache(k, v)
 
     def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft):
         mtp = merge(params)
@@ -106,6 +108,17 @@ def _stack_rows(rows, n):
     return jnp.concatenate([x, jnp.zeros((n - x.shape[0],) + x.shape[1:], x.dtype)])
 
 
+@jax.jit
+def _shift_rows(h_prev, hidden):
+    """[h_prev, hidden[0], ..., hidden[B-2]]: row i gets the hidden of the row before it."""
+    return jnp.concatenate([h_prev[None], hidden[:-1]])
+
+
+@jax.jit
+def _row(hidden, i):
+    return jax.lax.dynamic_index_in_dim(hidden, i, keepdims=False)
+
+
 class MTPRuntime:
     """The jitted MTP steps of one loaded head, bound to its params and a context size."""
 
@@ -120,25 +133,30 @@ class MTPRuntime:
     def new_cache(self) -> MTPCache:
         return init_mtp_cache(self.config, self.max_context)
 
-    def rows(self, cache: MTPCache, tokens, h_prev: jax.Array, hidden: jax.Array, start: int, n_valid: int):
-        """MTP rows (tokens[i], (h_prev, *hidden)[i]) at positions start + i, i < n_valid, written to the
-        cache. tokens: a bucket [B >= 2]; hidden [>= B - 1, D]. Returns (h' [B, D], cache, the hidden
-        that pairs with the row after the last valid one)."""
-        return self._rows(self.params, cache, np.asarray(tokens, np.int32), h_prev, hidden, np.int32(start),
-                          np.int32(n_valid))
+    def rows(self, cache: MTPCache, tokens, hs: jax.Array, start: int, n_valid: int):
+        """MTP rows (tokens[i], hs[i]) at MTP positions start + i, i < n_valid (a bucket of B >= 2 rows),
+        written to the cache. Returns (h' [B, D], cache)."""
+        return self._rows(self.params, cache, np.asarray(tokens, np.int32), hs, np.int32(start), np.int32(n_valid))
 
-    def prefill(self, cache: MTPCache, ids: Sequence[int], chunks, start: int = 0, h_prev: jax.Array | None = None):
-        """Catch the MTP KV up over a trunk prefill: ids at start.., `chunks` = the trunk's
-        [(hidden [B, D], n_valid)]. h_prev pairs with ids[0] (zeros at position 0, as llama.cpp).
-        Returns (cache, h of the last id (pairs with the next token), [h' [B, D] per chunk])."""
-        if h_prev is None:
-            h_prev = jnp.zeros((self.config.d_model,), jnp.float32)
-        out, off = [], 0
+    def prefill(self, cache: MTPCache, ids: Sequence[int], chunks, zero_h_first: bool = False):
+        """Catch the MTP KV up over a trunk prefill of ids at positions 0.. (`chunks` = the trunk's
+        [(hidden [B, D], n_valid)]): pairs (ids[p], h[p-1]) at MTP position p - 1 for p >= 1, or, with
+        zero_h_first (llama.cpp), pairs (ids[p], h[p-1]) at position p including (ids[0], h = 0).
+        Returns (cache, h of the last id, [(h' [B, D], rows valid)] per chunk)."""
+        n, out, off = len(ids), [], 0
+        h_prev = jnp.zeros((self.config.d_model,), jnp.float32)
         for hidden, m in chunks:
-            toks = np.zeros(hidden.shape[0], np.int32)
-            toks[:m] = ids[off:off + m]
-            hp, cache, h_prev = self.rows(cache, toks, h_prev, hidden, start + off, m)
-            out.append(hp)
+            B = hidden.shape[0]
+            if zero_h_first:
+                toks, hs, cnt = ids[off:off + m], _shift_rows(h_prev, hidden), m
+            else:
+                toks, hs, cnt = ids[off + 1:off + m + 1], hidden, min(m, n - 1 - off)
+            if cnt > 0:
+                bucket = np.zeros(B, np.int32)
+                bucket[:cnt] = toks[:cnt]
+                hp, cache = self.rows(cache, bucket, hs, off, cnt)
+                out.append((hp, cnt))
+            h_prev = _row(hidden, np.int32(m - 1))
             off += m
         return cache, h_prev, out
 
@@ -154,13 +172,15 @@ class MTPRuntime:
         return self._logits(self.params, h)
 
 
-def teacher_forced_mtp_logits(runtime: Runtime, mtp: MTPRuntime, ids: Sequence[int]) -> np.ndarray:
-    """MTP logits [T-1, V] at positions 1..T-1 from pairs (ids[p], h[p-1]) (position 0 pairs with h = 0
-    and only fills the MTP KV)."""
+def teacher_forced_mtp_logits(runtime: Runtime, mtp: MTPRuntime, ids: Sequence[int],
+                              zero_h_first: bool = False) -> np.ndarray:
+    """MTP logits [T-1, V] at positions 1..T-1 from pairs (ids[p], h[p-1]), h final-normed trunk
+    hiddens (chunked prefill). By default the MTP sequence starts at p = 1, as the transformers
+    reference; zero_h_first also puts (ids[0], h = 0) first, as llama.cpp."""
     chunks, _, _ = runtime.prefill(runtime.new_state(), ids)
-    _, _, hps = mtp.prefill(mtp.new_cache(), ids, chunks)
-    logits = np.concatenate([np.asarray(mtp.logits(hp))[:m] for hp, (_, m) in zip(hps, chunks)])
-    return logits[1:]
+    _, _, hps = mtp.prefill(mtp.new_cache(), ids, chunks, zero_h_first)
+    logits = np.concatenate([np.asarray(mtp.logits(hp))[:m] for hp, m in hps])
+    return logits[1:] if zero_h_first else logits
 
 
 class MTPDecoder:
@@ -174,22 +194,25 @@ class MTPDecoder:
     """
 
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, verify: str = "batched",
-                 width: int | None = None, full_rows: bool = False, trace: list | None = None):
+                 width: int | None = None, full_rows: bool = False, trace: list | None = None,
+                 zero_h_first: bool = False):
         if verify not in VERIFY_MODES:
             raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.rt, self.mtp, self.k, self.verify = runtime, mtp, int(draft_tokens), verify
         self.K = int(width) if width is not None else self.k
         if not 1 <= self.k <= self.K:
             raise InputError(f"draft_tokens must be in [1, width = {self.K}], got {self.k}")
-        self.full_rows, self.trace = full_rows, trace
+        self.full_rows, self.trace, self.zero_h_first = full_rows, trace, zero_h_first
+        self._mtp_off = 0 if zero_h_first else 1  # MTP position = trunk position - offset
         self.draft_s = self.verify_s = 0.0
 
     def prefill(self, ids: Sequence[int]) -> jax.Array:
         """Trunk prefill + MTP KV over ids (positions 0..n-1). Returns the last row's logits [V]."""
         rt = self.rt
         chunks, logits, state = rt.prefill(rt.new_state(), ids)
-        cache, h_last, _ = self.mtp.prefill(self.mtp.new_cache(), ids, chunks)
+        cache, h_last, _ = self.mtp.prefill(self.mtp.new_cache(), ids, chunks, self.zero_h_first)
         self.state, self.cache, self.P = state, cache, len(ids)
+        self._commit = None  # batched: (snaps, a) of the last pass, applied inside the next trunk pass
         D = rt.config.d_model
         # Rows to catch up before the next draft row: none yet; the certain token pairs with h_last.
         self._pend, self._pend_start, self._h_prev = [], self.P, h_last
@@ -210,8 +233,8 @@ class MTPDecoder:
         toks = np.zeros(self.K + 2, np.int32)
         n_valid = len(self._pend) + 1
         toks[:n_valid] = self._pend + [t]
-        vtokens, self.cache, h_t = self.mtp.draft(self.cache, toks, self._h_prev, self._hidden, self._pend_start,
-                                                  n_valid, max(n_draft, 1))
+        vtokens, self.cache, h_t = self.mtp.draft(self.cache, toks, self._h_prev, self._hidden,
+                                                  self._pend_start - self._mtp_off, n_valid, max(n_draft, 1))
         vtokens.block_until_ready()
         t1 = time.perf_counter()
         if self.verify == "batched":
@@ -240,10 +263,18 @@ class MTPDecoder:
             return accepted, tok
         raise AssertionError("unreachable")
 
+    def committed_state(self):
+        """The trunk state after the last accepted row (applies a pending batched rollback)."""
+        if self._commit is not None:
+            self.state = self.rt.commit(self.state, *self._commit)
+            self._commit = None
+        return self.state
+
     def _verify_batched(self, vtokens, n_draft, sampling, index):
         rt = self.rt
-        logits, hidden, state, snaps = rt.verify_step(self.state, vtokens, self.P, n_valid=n_draft + 1)
-        greedy_rows = np.asarray(_argmax_rows(logits)) if sampling.greedy else None
+        snaps, a = self._commit if self._commit is not None else (None, 0)
+        logits, greedy, hidden, state, snaps = rt.commit_verify(self.state, snaps, a, vtokens, self.P, n_draft + 1)
+        greedy_rows = np.asarray(greedy) if sampling.greedy else None
         host = np.asarray(vtokens)
         accepted, nxt = self._targets(lambda r: logits[r], host[1:], n_draft, sampling, index, greedy_rows)
         if self.trace is not None:
@@ -251,12 +282,12 @@ class MTPDecoder:
             self.trace.append(dict(tokens=host[:m], logits=np.asarray(logits)[:m], hidden=np.asarray(hidden)[:m],
                                    conv=tuple(np.asarray(c)[:m] for c in snaps.conv),
                                    ssm=tuple(np.asarray(s)[:m] for s in snaps.ssm), accepted=len(accepted)))
-        self.state = rt.commit(state, snaps, len(accepted))
+        self.state, self._commit = state, (snaps, len(accepted))  # rollback: snapshot a, next pass
         return accepted, nxt, hidden
 
     def _verify_sequential(self, vtokens: np.ndarray, n_draft, sampling, index):
         """Row by row with single-token decode steps; stops after the first mismatch unless full_rows."""
-        rt, state = self.rt, self.state
+        rt, state = self.rt, self.committed_state()
         logits_rows, hidden_rows, kept = [], [], []
         accepted, nxt = None, None
         greedy = sampling.greedy
@@ -310,7 +341,7 @@ def _pass_stats(k: int, passes: list[tuple[int, int]]) -> dict[str, Any]:
 def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                  verify: str = "batched", width: int | None = None, full_rows: bool = False,
-                 trace: list | None = None) -> tuple[list[int], dict[str, Any]]:
+                 trace: list | None = None, zero_h_first: bool = False) -> tuple[list[int], dict[str, Any]]:
     """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
 
     stats: those of `generate_ids` (prompt_tokens, generated_tokens, prefill_s, prefill_tok_s (trunk +
@@ -321,7 +352,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
     it), draft_s and verify_s (MTP vs trunk time; the rest of decode_s is host bookkeeping).
     """
     t0 = time.perf_counter()
-    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace)
+    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first)
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     out: list[int] = []
@@ -370,7 +401,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
 
 def llamacpp_protocol(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], draft_tokens: int,
                       n_predict: int = 48, replay: bool = False, budget_cap: bool = False,
-                      width: int | None = None) -> dict[str, Any]:
+                      width: int | None = None, zero_h_first: bool = True) -> dict[str, Any]:
     """Acceptance counted as llama.cpp's `llama-speculative-simple --spec-type draft-mtp` (greedy).
 
     As there: the prompt minus its last token is prefilled, the first pass starts from the last prompt
@@ -379,9 +410,12 @@ def llamacpp_protocol(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], 
     llama.cpp). replay: count as llama.cpp does for archs it cannot roll back partially (qwen3next): a
     partially accepted pass is not counted; its accepted tokens plus the target's token are verified
     again as a draft (all accepted) and the bonus token follows. Our decoder still rolls back by
-    snapshot; only the counting (and pass structure) is mirrored.
+    snapshot; only the counting (and pass structure) is mirrored. zero_h_first: llama.cpp's MTP
+    position-0 convention (see the module docstring).
     """
-    dec = MTPDecoder(runtime, mtp, draft_tokens, "batched", width)
+    if len(prompt) < 2:
+        raise InputError("llamacpp_protocol needs a prompt of at least 2 tokens")
+    dec = MTPDecoder(runtime, mtp, draft_tokens, "batched", width, zero_h_first=zero_h_first)
     greedy = SamplingParams()
     dec.prefill(prompt[:-1])
     t = int(prompt[-1])

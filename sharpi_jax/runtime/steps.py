@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from sharpi_jax.errors import InputError
+from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.runtime.state import DecodeState, Snapshots, init_state
 
@@ -34,47 +35,57 @@ DEFAULT_PREFILL_BUCKETS = (32, 256)
 
 
 @functools.lru_cache(maxsize=None)
-def _step_fns(graphdef, treedef) -> SimpleNamespace:
+def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
     """The jitted steps of one model graph (graphdef is static: hashed once here, not per call).
 
     Params travel as a flat tuple of arrays (`treedef` rebuilds the nnx.State inside the trace):
-    flattening an nnx.State on every call costs ~0.1-0.3 ms, a tuple almost nothing.
+    flattening an nnx.State on every call costs ~0.1-0.3 ms, a tuple almost nothing. `cache` is the
+    flat tuple of mutable expert-residency arrays (`ExpertCache`; empty without a budget): the model
+    steps take it donated and return its new value.
     """
 
-    def merge(leaves):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    def merge(leaves, cache):
+        return nnx.merge(graphdef, jax.tree.unflatten(cache_treedef, cache), jax.tree.unflatten(treedef, leaves))
 
-    def prefill(params, state, tokens, start, n_valid, gdn="chunked"):
-        model = merge(params)
+    def cache_out(model):
+        return tuple(jax.tree.leaves(nnx.state(model, ExpertCache)))
+
+    def prefill(params, cache, state, tokens, start, n_valid, gdn="chunked"):
+        model = merge(params, cache)
         hidden, state = model.prefill(state, tokens, start, n_valid, gdn)
         last = jax.lax.dynamic_index_in_dim(hidden, jnp.maximum(n_valid - 1, 0), keepdims=True)
         logits = model.lm_head(jnp.concatenate([last, last]))[0]  # 2 rows: the row-stable kernel
-        return hidden, logits, state
+        return hidden, logits, state, cache_out(model)
 
-    def head(params, hidden):
-        return merge(params).lm_head(hidden)
+    def head(params, cache, hidden):
+        return merge(params, cache).lm_head(hidden)
 
-    def decode(params, state, token, pos):
-        model = merge(params)
+    def decode(params, cache, state, token, pos):
+        model = merge(params, cache)
         tokens = jnp.stack([token, token])
         logits, hidden, state, (conv, ssm) = model.rows(state, tokens, pos, jnp.int32(1))
         state = state._replace(conv=tuple(c[0] for c in conv), ssm=tuple(s[0] for s in ssm))
-        return logits[0], hidden[0], state
+        return logits[0], hidden[0], state, cache_out(model)
 
-    def verify(params, state, tokens, pos, n_valid):
-        model = merge(params)
+    def verify(params, cache, state, tokens, pos, n_valid):
+        model = merge(params, cache)
         logits, hidden, state, (conv, ssm) = model.rows(state, tokens, pos, n_valid)
-        return logits, hidden, state, Snapshots(conv, ssm)
+        return logits, hidden, state, Snapshots(conv, ssm), cache_out(model)
 
     def commit(state, snaps, index):
         return state._replace(conv=tuple(c[index] for c in snaps.conv), ssm=tuple(s[index] for s in snaps.ssm))
 
+    def commit_verify(params, cache, state, snaps, index, tokens, pos, n_valid):
+        logits, hidden, state, snaps, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid)
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps, cache
+
     return SimpleNamespace(
-        prefill=jax.jit(prefill, donate_argnums=(1,), static_argnames=("gdn",)),
+        prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=("gdn",)),
         head=jax.jit(head),
-        decode=jax.jit(decode, donate_argnums=(1,)),
-        verify=jax.jit(verify, donate_argnums=(1,)),
+        decode=jax.jit(decode, donate_argnums=(1, 2)),
+        verify=jax.jit(verify, donate_argnums=(1, 2)),
         commit=jax.jit(commit, donate_argnums=(0,)),
+        commit_verify=jax.jit(commit_verify, donate_argnums=(1, 2, 3)),
     )
 
 
@@ -92,10 +103,17 @@ class Runtime:
         if not buckets or buckets[0] < 1:
             raise InputError(f"prefill_buckets must be positive sizes, got {prefill_buckets!r}")
         self.prefill_buckets = tuple(buckets)
-        self.graphdef, state = nnx.split(model)
+        self.graphdef, cache, state = nnx.split(model, ExpertCache, ...)
         leaves, treedef = jax.tree.flatten(state)
         self.params = tuple(leaves)  # the model's arrays, flat (see _step_fns)
-        self._fns = _step_fns(self.graphdef, treedef)
+        cache_leaves, self._cache_treedef = jax.tree.flatten(cache)
+        self.cache = tuple(cache_leaves)  # expert residency state, replaced after every step
+        self._fns = _step_fns(self.graphdef, treedef, self._cache_treedef)
+
+    def expert_cache_arrays(self) -> dict[tuple, jax.Array]:
+        """The expert residency arrays by nnx path (empty without an expert budget)."""
+        state = jax.tree.unflatten(self._cache_treedef, self.cache)
+        return {tuple(p): (v.get_value() if hasattr(v, "get_value") else v) for p, v in nnx.to_flat_state(state)}
 
     def new_state(self) -> DecodeState:
         """A zeroed state for a new sequence."""
@@ -125,19 +143,21 @@ class Runtime:
             m = min(n - off, B)
             toks = np.zeros(B, np.int32)
             toks[:m] = ids[off:off + m]
-            hidden, logits, state = self._fns.prefill(self.params, state, toks, np.int32(start + off),
-                                                      np.int32(m), gdn=gdn)
+            hidden, logits, state, self.cache = self._fns.prefill(self.params, self.cache, state, toks,
+                                                                  np.int32(start + off), np.int32(m), gdn=gdn)
             chunks.append((hidden, m))
             off += m
         return chunks, logits, state
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """LM head on a [B, D] bucket of final-normed hidden rows (B >= 2)."""
-        return self._fns.head(self.params, hidden)
+        return self._fns.head(self.params, self.cache, hidden)
 
     def decode_step(self, state: DecodeState, token: int, pos: int):
         """One token at position pos -> (logits [V], hidden [D], state)."""
-        return self._fns.decode(self.params, state, np.int32(token), np.int32(pos))
+        logits, hidden, state, self.cache = self._fns.decode(self.params, self.cache, state, np.int32(token),
+                                                             np.int32(pos))
+        return logits, hidden, state
 
     def verify_step(self, state: DecodeState, tokens: Sequence[int] | jax.Array, pos: int,
                     n_valid: int | None = None):
@@ -157,8 +177,27 @@ class Runtime:
             raise InputError(f"verify_step n_valid must be in [1, {T}], got {n_valid}")
         if pos + n_valid > self.max_context:
             raise InputError(f"{pos + n_valid} positions exceed max_context = {self.max_context}")
-        return self._fns.verify(self.params, state, tokens, np.int32(pos), np.int32(n_valid))
+        logits, hidden, state, snaps, self.cache = self._fns.verify(self.params, self.cache, state, tokens,
+                                                                    np.int32(pos), np.int32(n_valid))
+        return logits, hidden, state, snaps
 
     def commit(self, state: DecodeState, snaps: Snapshots, index: int) -> DecodeState:
         """Set the GDN state to snapshot `index` (the state after verify row `index`)."""
         return self._fns.commit(state, snaps, np.int32(index))
+
+    def commit_verify(self, state: DecodeState, snaps: Snapshots | None, index: int, tokens: jax.Array, pos: int,
+                      n_valid: int):
+        """`commit(state, snaps, index)` (the previous pass's rollback; snaps=None: none) then
+        `verify_step(state, tokens, pos, n_valid)` in ONE dispatch (the MTP loop's trunk pass).
+        Returns (logits [T, V], argmax of each row [T] int32, hidden [T, D], state, Snapshots)."""
+        T = tokens.shape[0]
+        if not 1 <= n_valid <= T or pos + n_valid > self.max_context:
+            raise InputError(f"commit_verify: {n_valid} rows at position {pos} (width {T}, max_context "
+                             f"{self.max_context})")
+        if snaps is None:  # "after row 0" of a pass that did not happen = the state itself
+            snaps = Snapshots(conv=tuple(jnp.broadcast_to(c[None], (T,) + c.shape) for c in state.conv),
+                              ssm=tuple(jnp.broadcast_to(s[None], (T,) + s.shape) for s in state.ssm))
+            index = 0
+        logits, greedy, hidden, state, snaps, self.cache = self._fns.commit_verify(
+            self.params, self.cache, state, snaps, np.int32(index), tokens, np.int32(pos), np.int32(n_valid))
+        return logits, greedy, hidden, state, snaps

@@ -2,8 +2,8 @@
 
 Every case checks grouped == per_token with `chex.assert_trees_all_equal` on the full [N, D] output,
 no NaN, and the executed expert-load counters (per-token N*k, grouped = unique experts). The fast tier
-covers N from 1 to 64 and top-k from 1 to 8 (every value of each, including skewed routing and unused
-experts) for F32, Q8_0 and Q4_K weights; the full N x k grid is `slow`.
+samples N in 1..64 (1, 2, 3, 4, 5, 8, 13, 31, 64) with every top-k in 1..8, plus skewed routing and
+unused experts, for F32, Q8_0 and Q4_K weights; the full 64 x 8 grid per qtype is marked `slow`.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def test_pallas_mode_interpret():
     got, stats = run(u, sel, w, packed, with_stats=True)
     got = np.asarray(got)
     assert not np.isnan(got).any()
-    assert int(stats["expert_loads"]) == len(np.unique(np.asarray(sel)))
+    assert int(stats["expert_loads"]) == len(np.unique(np.asarray(sel)))  # every bucket fits one tile
     ref = np.asarray(dp.routed_experts(u, sel, w, ew, "per_token"))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     alone = np.asarray(run(u[3:4], sel[3:4], w[3:4], packed))
@@ -241,3 +241,22 @@ def test_dispatch_config_is_the_same_call():
     with pytest.raises(ValueError):
         dp.DispatchConfig(mode="nope")
     assert dp.row_tiles(1) == (2,) and dp.row_tiles(5) == (2, 4, 8) and dp.row_tiles(64) == (2, 4, 8, 16)
+
+
+def test_mixed_qtypes_with_a_q6_k_down():
+    """A Q4_K_M-style layer: Q4_K gate/up, Q6_K down (dequantized by sharpi_jax.gguf.quants)."""
+    pytest.importorskip("sharpi_jax.gguf.quants")
+    rng = np.random.default_rng(14)
+    base = _experts("q4_k", "gguf")
+    down = rng.integers(0, 256, size=(E, D, F // 256, 210), dtype=np.uint8)
+    down[..., 208:210] = (rng.uniform(0.5, 1.5, (E, D, F // 256, 1)) * 2.0**-10).astype(np.float16).view(np.uint8)
+    down = down.reshape(E, D, F // 256 * 210)
+    ew = ExpertWeights(base.gate, base.up, jnp.asarray(down), "q4_k", "q4_k", "q6_k")
+    assert ew.qtype == "q4_k/q4_k/q6_k"
+    ew.validate()
+    u, sel, w = _routing(rng, 9, 8)
+    got = _assert_parity(ew.to_soa(), u, sel, w)
+    wd = gq.dequantize(down, gguf.GGMLQuantizationType.Q6_K).astype(np.float64)
+    dense = ExpertWeights(np.asarray(ew.dequantize().gate), np.asarray(ew.dequantize().up), wd.astype(np.float32))
+    ref = np.asarray(dp.routed_experts(u, sel, w, ExpertWeights(*(jnp.asarray(a) for a in (dense.gate, dense.up, dense.down))), "grouped"))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -1,0 +1,284 @@
+r"""Expert residency: decode / prefill tokens/s, hit rate and bytes streamed per token vs budget and policy.
+
+    python -m experiments.bench_residency                     # the synthetic 35B-A3B 4L Q4_K preset
+    python -m experiments.bench_residency --n_layer=2 --n_vocab=4096   # what the report table used
+    python -m experiments.bench_residency --threshold_only    # host compute vs streaming
+
+One run loads the model once per (budget, policy) cell (expert_budget = `residency.budget_for_fraction`:
+that fraction of all routed experts in slots, plus the top-k staging below 100%), warms the jitted
+steps up, then times a prefill of --prompt_tokens random ids and --decode_tokens decode steps (fed from
+the same random stream) driven through the Runtime, reading the residency counters between the
+phases. "frequency" (and the initial fill of lru/slru) use counts calibrated on a different random
+prompt (saved beside the model). A first record with no budget (every expert resident, no residency
+code) is the baseline. Records go to --out as JSONL, one line as each cell finishes (fields the
+plotter reads: model, expert_budget_frac, expert_policy, hit_rate (decode phase), decode_tok_s,
+prefill_tok_s, bytes_streamed_per_token (decode phase)), and the figures to --plot_dir.
+
+The default preset's random Q4_K blocks have non-zero means, so every token's hidden state shares one
+direction and routing collapses onto ~10 experts per layer (the run prints the spread it calibrated
+and warns): hit rates are then trivially 1 for any calibrated policy. The --n_layer path writes a
+35B-A3B-shaped model with zero-mean Q8_0 dense weights and Q4_K experts instead (179 of 256 experts
+used over 128 random tokens, the top 10% taking 57% of the routing); --n_vocab keeps the 248k-token
+LM head from dominating decode.
+
+--threshold: one MoE layer of the model with every expert cold, called on N rows (N = 2: the decode
+bucket, one token), once with cold="stream" (all misses staged and computed on the device) and once
+with cold="host" (computed in the callback from the mmap); the smallest N where streaming costs less
+process CPU time is the "auto" threshold (`streaming.DEFAULT_STREAM_MIN_ROWS`). Timings only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "synthetic-qwen36-35b-a3b-4L-Q4_K", "Preset name or GGUF path.")
+flags.DEFINE_integer("n_layer", None, "Write/reuse a synthetic qwen36-35b-a3b-shaped model with this many layers.")
+flags.DEFINE_integer("n_vocab", None, "With --n_layer: the synthetic model's vocabulary (default: the real one).")
+flags.DEFINE_string("qtype", "Q8_0", "With --n_layer: the synthetic model's block type (non-expert matrices).")
+flags.DEFINE_string("expert_qtype", "Q4_K", "With --n_layer: the routed experts' block type.")
+flags.DEFINE_list("budgets", ["0.1", "0.25", "0.5", "0.75", "1.0"], "Fractions of all routed expert bytes.")
+flags.DEFINE_list("policies", ["static", "frequency", "lru", "slru"], "Placement policies.")
+flags.DEFINE_integer("prompt_tokens", 64, "Prompt length (prefill figure).")
+flags.DEFINE_integer("decode_tokens", 16, "Greedy decode steps (decode figure).")
+flags.DEFINE_integer("calib_tokens", 256, "Tokens of the calibration prompt (frequency counts).")
+flags.DEFINE_integer("max_context", 512, "KV cache positions.")
+flags.DEFINE_list("prefill_buckets", ["64"], "Prefill chunk sizes.")
+flags.DEFINE_bool("baseline", True, "Also bench the model with no expert budget.")
+flags.DEFINE_bool("threshold", True, "Also run the host-compute vs streaming microbenchmark.")
+flags.DEFINE_bool("threshold_only", False, "Only the host-compute vs streaming microbenchmark.")
+flags.DEFINE_list("threshold_rows", ["2", "4", "8", "16", "32", "64"], "Bucket rows N for --threshold.")
+flags.DEFINE_integer("threshold_repeats", 3, "Timed calls per mode and N (minimum reported).")
+flags.DEFINE_string("out", "results/residency.jsonl", "JSONL output (appended).")
+flags.DEFINE_string("plot_dir", None, "Where the figures go (default: <out dir>/plots).")
+flags.DEFINE_integer("seed", 0, "RNG seed of the prompts.")
+
+
+def _model_path() -> Path:
+    from experiments.presets import cache_dir, resolve_model
+    from sharpi_jax.config import shape_preset
+    from sharpi_jax.testing import write_synthetic_gguf
+
+    if FLAGS.n_layer is None:
+        return resolve_model(FLAGS.model)
+    vocab = f"-V{FLAGS.n_vocab}" if FLAGS.n_vocab else ""
+    eq = f"-E{FLAGS.expert_qtype}" if FLAGS.expert_qtype != FLAGS.qtype else ""
+    p = cache_dir() / "synthetic" / f"synthetic-qwen36-35b-a3b-{FLAGS.n_layer}L{vocab}-{FLAGS.qtype}{eq}-seed0.gguf"
+    if not p.exists():
+        c = shape_preset("qwen36-35b-a3b", FLAGS.n_layer)
+        if FLAGS.n_vocab:
+            c = c.replace(n_vocab=FLAGS.n_vocab)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".partial")
+        write_synthetic_gguf(tmp, c, qtype=FLAGS.qtype, expert_qtype=FLAGS.expert_qtype, seed=0, progress=True,
+                             name=p.stem)
+        tmp.rename(p)
+    return p
+
+
+def _run_phases(engine, prompt: list[int], n_decode: int) -> dict:
+    """Prefill + decode steps through the Runtime, with residency counters between the phases.
+
+    Decode feeds the continuation of the random prompt stream (prompt[i] for step i, cycling), not the
+    argmax: a random model's greedy output repeats one token, which would flatter every cache."""
+    rt = engine.runtime
+    snap = engine.expert_counters
+    state = rt.new_state()
+    c0 = snap()
+    t0 = time.perf_counter()
+    _, logits, state = rt.prefill(state, prompt)
+    logits.block_until_ready()
+    t1 = time.perf_counter()
+    c1 = snap()
+    pos = len(prompt)
+    for i in range(n_decode):
+        tok = prompt[(7 * i + 3) % len(prompt)]
+        logits, _, state = rt.decode_step(state, tok, pos)
+        pos += 1
+    logits.block_until_ready()
+    t2 = time.perf_counter()
+    c2 = snap()
+    out = {"prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": n_decode / (t2 - t1) if n_decode else 0.0,
+           "prefill_s": t1 - t0, "decode_s": t2 - t1}
+    if engine.residency is not None:
+        pre, dec = engine.residency.stats(c0, c1), engine.residency.stats(c1, c2)
+        out.update(hit_rate=dec["hit_rate"], prefill_hit_rate=pre["hit_rate"],
+                   bytes_streamed_per_token=dec["bytes_streamed_per_token"],
+                   prefill_bytes_streamed_per_token=pre["bytes_streamed_per_token"],
+                   callback_ms_per_token=1e3 * dec["callback_s"] / max(1, dec["tokens"]),
+                   prefill_callback_s=pre["callback_s"],
+                   experts_evicted=dec["experts_evicted"] + pre["experts_evicted"],
+                   host_computed_experts=dec["experts_host_computed"] + pre["experts_host_computed"],
+                   hit_rate_per_layer=dec["hit_rate_per_layer"], all_hot_batches=dec["all_hot_batches"],
+                   resident_bytes=pre["resident_bytes"], staging_bytes=pre["staging_bytes"],
+                   budget_bytes=pre["budget_bytes"], counts_source=pre["counts_source"], cold=pre["cold"])
+    return out
+
+
+def bench_grid(path: Path, emit) -> list[dict]:
+    import gc
+
+    import sharpi_jax as sj
+    from sharpi_jax.experts import residency
+
+    rng = np.random.default_rng(FLAGS.seed)
+    buckets = tuple(int(b) for b in FLAGS.prefill_buckets)
+    opts = dict(max_context=FLAGS.max_context, prefill_buckets=buckets)
+    records = []
+    t = time.perf_counter()
+    calib = sj.load(path, expert_budget=None, **opts)
+    print(f"loaded {path.name} in {time.perf_counter() - t:.1f}s: {calib.config.summary()}", flush=True)
+    V = calib.config.n_vocab
+    prompt = [int(i) for i in rng.integers(0, V, FLAGS.prompt_tokens)]
+    calib_ids = [int(i) for i in rng.integers(0, V, FLAGS.calib_tokens)]
+    f, c = calib.gguf, calib.config
+    total = residency.budget_for_fraction(f, c, 1.0)
+    base = dict(model=path.stem, prompt_tokens=len(prompt), decode_tokens=FLAGS.decode_tokens)
+    if FLAGS.baseline:
+        _run_phases(calib, prompt[:8], 2)  # compile
+        r = dict(base, expert_policy="none", expert_budget_frac=None, **_run_phases(calib, prompt, FLAGS.decode_tokens))
+        records.append(r)
+        emit(r)
+    del calib
+    # Calibration: a full-budget engine counts routing on a different prompt; saved beside the model.
+    cal = sj.load(path, expert_budget=total, expert_policy="static", **opts)
+    counts = cal.calibrate_experts([calib_ids], save=True)
+    del cal
+    gc.collect()
+    used = {i: int((np.asarray(v) > 0).sum()) for i, v in counts.items()}
+    print(f"calibration: distinct experts per layer over {len(calib_ids)} tokens: {used}", flush=True)
+    if min(used.values()) < 4 * c.n_expert_used:
+        print("warning: routing is collapsed onto a few experts (random Q4_K blocks have non-zero means, so every "
+              "token's hidden state shares one direction); use --n_layer=N --qtype=Q8_0 --expert_qtype=Q4_K",
+              flush=True)
+    for frac in (float(b) for b in FLAGS.budgets):
+        budget = residency.budget_for_fraction(f, c, frac)
+        for policy in FLAGS.policies:
+            t = time.perf_counter()
+            e = sj.load(path, expert_budget=budget, expert_policy=policy,
+                        expert_counts=None if policy == "static" else counts, **opts)
+            load_s = time.perf_counter() - t
+            t = time.perf_counter()
+            _run_phases(e, prompt[:8], 2)  # compile (prefill bucket, decode)
+            warm_s = time.perf_counter() - t
+            r = dict(base, expert_policy=policy, expert_budget_frac=frac, expert_budget=budget,
+                     load_s=load_s, warmup_s=warm_s, **_run_phases(e, prompt, FLAGS.decode_tokens))
+            assert r["resident_bytes"] + r["staging_bytes"] <= budget or frac >= 1.0
+            records.append(r)
+            emit(r)
+            del e
+            gc.collect()
+    return records
+
+
+def _print(r: dict) -> None:
+    if "expert_policy" not in r:
+        print(json.dumps(r), flush=True)
+        return
+    keys = ("expert_policy", "expert_budget_frac", "hit_rate", "prefill_hit_rate", "decode_tok_s", "prefill_tok_s",
+            "bytes_streamed_per_token", "prefill_bytes_streamed_per_token", "callback_ms_per_token")
+    print(json.dumps({k: (round(r[k], 4) if isinstance(r.get(k), float) else r.get(k)) for k in keys}), flush=True)
+
+
+def bench_threshold(path: Path, emit) -> list[dict]:
+    """One layer, every expert cold: streaming vs host compute per bucket size N."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sharpi_jax.gguf import GGUFFile, read_model_config
+    from sharpi_jax.experts import residency
+    from sharpi_jax.model.moe import route
+
+    f = GGUFFile(path)
+    c = read_model_config(f)
+    E, k = c.n_expert, c.n_expert_used
+    geo = residency._layer_geometry(f, c)  # pylint: disable=protected-access
+    bpe = max(b for _, b in geo.values())
+    rng = np.random.default_rng(FLAGS.seed)
+    records = []
+    fns = {}
+    for cold in ("stream", "host"):
+        # Zero slots: the budget is exactly a whole-layer staging, so every expert of a batch is cold.
+        res = residency.configure(f, c, E * bpe, "static", expert_staging=E, expert_cold=cold, expert_prefetch=0)
+        mod = res.experts_module(0)
+        graphdef, state = nnx.split(mod)
+
+        def call(state, u, sel, w, valid, graphdef=graphdef):
+            m = nnx.merge(graphdef, state)
+            out = m(u, sel, w, valid, "grouped")
+            return out, nnx.state(m)
+
+        fns[cold] = (jax.jit(call), state, res)
+    for n in (int(x) for x in FLAGS.threshold_rows):
+        u = jnp.asarray(rng.standard_normal((n, c.d_model)).astype(np.float32))
+        sel, w = route(jnp.asarray(rng.standard_normal((n, E)).astype(np.float32)), k)
+        n_valid = 1 if n == 2 else n  # N = 2 is the decode bucket: one token + an inert padding row
+        valid = jnp.arange(n) < n_valid
+        sel = jnp.where(valid[:, None], sel, sel[:1])
+        w = jnp.where(valid[:, None], w, 0.0)
+        row = {"N": n, "valid_rows": n_valid, "unique_experts": int(np.unique(np.asarray(sel)).size)}
+        outs = {}
+        for cold, (fn, state, res) in fns.items():
+            out, state = fn(state, u, sel, w, valid)  # compile
+            out.block_until_ready()
+            best, best_cpu = float("inf"), float("inf")
+            for _ in range(FLAGS.threshold_repeats):
+                t, tc = time.perf_counter(), time.process_time()
+                out, state = fn(state, u, sel, w, valid)
+                out.block_until_ready()
+                best = min(best, time.perf_counter() - t)
+                best_cpu = min(best_cpu, time.process_time() - tc)
+            fns[cold] = (fn, state, res)
+            row[f"{cold}_ms"] = 1e3 * best
+            row[f"{cold}_cpu_ms"] = 1e3 * best_cpu
+            outs[cold] = np.asarray(out)
+        row["bitwise_equal"] = bool(np.array_equal(outs["stream"], outs["host"]))
+        # Process CPU time decides (the machine is shared: wall time is noisy); both are recorded.
+        row["faster"] = "stream" if row["stream_cpu_ms"] < row["host_cpu_ms"] else "host"
+        records.append(dict(row, model=path.stem, bench="residency_threshold"))
+        emit(records[-1])
+    faster = [r["N"] for r in records if r["faster"] == "stream"]
+    print(f"streaming is faster from N = {min(faster) if faster else 'never (in the range measured)'}", flush=True)
+    return records
+
+
+def main(argv) -> int:
+    del argv
+    from experiments.plot import plot_all
+    from sharpi_jax.errors import SharpiError
+
+    try:
+        path = _model_path()
+    except SharpiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    records = []
+    out = Path(FLAGS.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(r: dict) -> None:  # one line per record as it comes (a long run keeps what it measured)
+        _print(r)
+        with out.open("a") as fh:
+            fh.write(json.dumps(r) + "\n")
+
+    if FLAGS.threshold or FLAGS.threshold_only:
+        records += bench_threshold(path, emit)
+    if not FLAGS.threshold_only:
+        records += bench_grid(path, emit)
+    print(f"wrote {len(records)} records to {out}")
+    grid = [r for r in records if "expert_budget_frac" in r]
+    if grid:
+        for p in plot_all(grid, Path(FLAGS.plot_dir or out.parent / "plots")):
+            print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
