@@ -48,9 +48,13 @@ from sharpi_jax.gguf.reader import GGUFFile
 
 # Bucket rows N from which "auto" streams cold experts instead of computing them on the host.
 # Measured on this project's CPU machine (2 shared cores, XLA:CPU device) with
-# `python -m experiments.bench_residency --threshold_only` on one layer of the synthetic 35B-A3B shape
-# (Q4_K, 256 experts, top-8, D 2048, F 512), every expert cold (see bench_residency's module doc for
-# the table). On a GPU the crossover is different: re-measure there.
+# `python -m experiments.bench_residency --n_layer=2 --n_vocab=4096 --threshold_only`: one layer of the
+# 35B-A3B shape (Q4_K experts, 256, top-8, D 2048, F 512), every expert cold, staging sized to the
+# batch, min process CPU ms of 5 calls, stream / host:
+#   N=2 (decode, 8 experts) 41.9 / 42.2;  N=4 (32) 363 / 191;  N=8 (56) 323 / 408;
+#   N=16 (98) 624 / 755;  N=32 (163) 1048 / 1418;  N=64 (214) 1550 / 1650.
+# Decode is a tie (on CPU the "device" is the host: both paths dequantize the same bytes), streaming
+# wins by 10-25% from N = 8. On a GPU the crossover is elsewhere: re-measure there.
 DEFAULT_STREAM_MIN_ROWS = 8
 
 COLD_MODES = ("auto", "stream", "host")
