@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -19,8 +20,18 @@ def fixture_path(*parts: str) -> Path:
     return p
 
 
+@functools.lru_cache(maxsize=None)
 def load_references(model_dir: str) -> dict:
     return json.loads(fixture_path(model_dir, "references.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def fixture_engine(name: str, variant: str, max_context: int, prefill_buckets: tuple[int, ...] | None = None):
+    """`sj.load` of fixture `<name>/<name>-<variant>.gguf`, cached so test modules share compiled engines."""
+    import sharpi_jax as sj
+
+    options = {} if prefill_buckets is None else {"prefill_buckets": prefill_buckets}
+    return sj.load(fixture_path(name, f"{name}-{variant}.gguf"), max_context=max_context, **options)
 
 
 @pytest.fixture(scope="session")

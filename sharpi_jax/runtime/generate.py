@@ -51,14 +51,19 @@ def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, s
         pos += 1
     jax.block_until_ready(logits)
     t2 = time.perf_counter()
+    return out, timing_stats(len(prompt), len(out), t0, t1, t2,
+                             stop if max_new_tokens > 0 else "max_new_tokens")
+
+
+def timing_stats(n_prompt: int, n_out: int, t0: float, t1: float, t2: float, stop: str) -> dict[str, Any]:
+    """The stats every generation loop reports: prefill from t0 to t1, decode from t1 to t2."""
     prefill_s, decode_s = t1 - t0, t2 - t1
-    stats = {
-        "prompt_tokens": len(prompt),
-        "generated_tokens": len(out),
+    return {
+        "prompt_tokens": n_prompt,
+        "generated_tokens": n_out,
         "prefill_s": prefill_s,
-        "prefill_tok_s": len(prompt) / prefill_s if prefill_s > 0 else float("inf"),
+        "prefill_tok_s": n_prompt / prefill_s if prefill_s > 0 else float("inf"),
         "decode_s": decode_s,
-        "decode_tok_s": len(out) / decode_s if decode_s > 0 and out else 0.0,
-        "stop_reason": stop if max_new_tokens > 0 else "max_new_tokens",
+        "decode_tok_s": n_out / decode_s if decode_s > 0 and n_out else 0.0,
+        "stop_reason": stop,
     }
-    return out, stats

@@ -46,6 +46,7 @@ from flax import nnx
 
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.mtp import MTPHead
+from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, sample
 from sharpi_jax.runtime.state import MTPCache, init_mtp_cache
 from sharpi_jax.runtime.steps import Runtime
@@ -380,15 +381,8 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
         passes.append((n_draft, len(accepted)))
         emit = accepted + [nxt]
     t2 = time.perf_counter()
-    prefill_s, decode_s = t1 - t0, t2 - t1
     stats = {
-        "prompt_tokens": len(prompt),
-        "generated_tokens": len(out),
-        "prefill_s": prefill_s,
-        "prefill_tok_s": len(prompt) / prefill_s if prefill_s > 0 else float("inf"),
-        "decode_s": decode_s,
-        "decode_tok_s": len(out) / decode_s if decode_s > 0 and out else 0.0,
-        "stop_reason": stop,
+        **timing_stats(len(prompt), len(out), t0, t1, t2, stop),
         "speculative": "mtp",
         "draft_tokens": dec.k,
         "verify": verify,

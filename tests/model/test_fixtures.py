@@ -5,35 +5,22 @@ Figures are printed (run with -s to see them).
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sharpi_jax as sj
+from tests.conftest import fixture_engine, fixture_path, load_references
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 ARCHS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
 MAX_CONTEXT = 512  # the longest fixture prompt is 411 tokens
 
 
-def _need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"reference fixture {path} is absent (expected ../shared/fixtures beside the repo)")
-    return path
-
-
-@functools.lru_cache(maxsize=None)
 def engine(name: str, variant: str):
-    return sj.load(_need(FIXTURES / name / f"{name}-{variant}.gguf"), max_context=MAX_CONTEXT)
+    return fixture_engine(name, variant, MAX_CONTEXT)
 
 
-@functools.lru_cache(maxsize=None)
-def references(name: str) -> dict:
-    return json.loads(_need(FIXTURES / name / "references.json").read_text())
+references = load_references
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
@@ -43,7 +30,7 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("name", ARCHS)
 def test_f32_logits_match_transformers(name):
     ref = references(name)
-    tf = np.load(_need(FIXTURES / name / "transformers.npz"))
+    tf = np.load(fixture_path(name, "transformers.npz"))
     e = engine(name, "F32")
     for i, toks in enumerate(ref["variants"][f"{name}-F32"]["tokens"]):
         got, want = e.logits(toks), tf[f"logits_{i}"]
@@ -65,7 +52,7 @@ TOLERANCE = {"Q8_0": 2e-2, "Q4_K_M": 2e-2, "BF16": 1e-2}
 @pytest.mark.parametrize("name,variant", QUANT_CASES)
 def test_quantized_logits_match_llamacpp(name, variant):
     ref = references(name)
-    lc = np.load(_need(FIXTURES / name / f"llamacpp-{name}-{variant}.npz"))
+    lc = np.load(fixture_path(name, f"llamacpp-{name}-{variant}.npz"))
     e = engine(name, variant)
     hits = total = 0
     rels = []

@@ -6,8 +6,6 @@ Figures are printed (run with -s to see them).
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import chex
 import jax
@@ -15,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sharpi_jax as sj
 from sharpi_jax.model.weights import load_mtp
+from tests.conftest import fixture_engine, fixture_path, load_references
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 ARCHS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
 MAX_CONTEXT = 512  # as the other fixture tests: compiled steps are shared with them
 # Relative L2 bounds vs the F32 transformers reference for quantized files (measured: BF16 1e-3,
@@ -26,25 +23,16 @@ MAX_CONTEXT = 512  # as the other fixture tests: compiled steps are shared with 
 QUANT_BOUNDS = {"BF16": 5e-3, "Q8_0": 2e-2, "Q4_K_M": 6e-2}
 
 
-def _need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"reference fixture {path} is absent (expected ../shared/fixtures beside the repo)")
-    return path
-
-
-@functools.lru_cache(maxsize=None)
 def engine(name: str, variant: str):
-    return sj.load(_need(FIXTURES / name / f"{name}-{variant}.gguf"), max_context=MAX_CONTEXT, prefill_buckets=(32,))
+    return fixture_engine(name, variant, MAX_CONTEXT, (32,))
 
 
-@functools.lru_cache(maxsize=None)
-def references(name: str) -> dict:
-    return json.loads(_need(FIXTURES / name / "references.json").read_text())
+references = load_references
 
 
 @functools.lru_cache(maxsize=None)
 def transformers_npz(name: str):
-    return np.load(_need(FIXTURES / name / "transformers.npz"))
+    return np.load(fixture_path(name, "transformers.npz"))
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:

@@ -9,9 +9,6 @@ for the figures.
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
 
 import chex
 import numpy as np
@@ -24,8 +21,8 @@ from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import generate_mtp, llamacpp_protocol
 from sharpi_jax.testing import write_synthetic_gguf
+from tests.conftest import fixture_engine, fixture_path, load_references
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 MAX_CONTEXT = 512  # as the other fixture tests: compiled steps are shared with them
 WIDTH = 7
 KS = tuple(range(1, 8))
@@ -36,20 +33,11 @@ IDS = [f"{n[5:]}-{v}" for n, v in VARIANTS]
 GREEDY = SamplingParams()
 
 
-def _need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"reference fixture {path} is absent (expected ../shared/fixtures beside the repo)")
-    return path
-
-
-@functools.lru_cache(maxsize=None)
 def engine(name: str, variant: str):
-    return sj.load(_need(FIXTURES / name / f"{name}-{variant}.gguf"), max_context=MAX_CONTEXT, prefill_buckets=(32,))
+    return fixture_engine(name, variant, MAX_CONTEXT, (32,))
 
 
-@functools.lru_cache(maxsize=None)
-def references(name: str) -> dict:
-    return json.loads(_need(FIXTURES / name / "references.json").read_text())
+references = load_references
 
 
 def prompts(name: str, variant: str) -> list[list[int]]:
@@ -226,7 +214,7 @@ def test_engine_generate_api():
     for kw in (dict(draft_tokens=0), dict(draft_tokens=True), dict(verify="tree")):
         with pytest.raises(InputError):
             e.generate(prompt, speculative="mtp", **kw)
-    zoo = sj.load(_need(FIXTURES / "quant-zoo" / "zoo-Q8_0.gguf"), max_context=64)
+    zoo = sj.load(fixture_path("quant-zoo", "zoo-Q8_0.gguf"), max_context=64)
     assert not zoo.config.has_mtp
     with pytest.raises(InputError, match="no MTP"):
         zoo.generate([1, 2, 3], max_new_tokens=2, speculative="mtp")

@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
 
 import chex
 import jax
 import numpy as np
 import pytest
 
-import sharpi_jax as sj
 from sharpi_jax.runtime.state import state_bytes
+from tests.conftest import fixture_engine, load_references
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 MAX_CONTEXT = 512
 
 
-def _need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"reference fixture {path} is absent (expected ../shared/fixtures beside the repo)")
-    return path
-
-
-@functools.lru_cache(maxsize=None)
 def engine(name: str, variant: str):
-    return sj.load(_need(FIXTURES / name / f"{name}-{variant}.gguf"), max_context=MAX_CONTEXT)
+    return fixture_engine(name, variant, MAX_CONTEXT)
 
 
-@functools.lru_cache(maxsize=None)
-def references(name: str) -> dict:
-    return json.loads(_need(FIXTURES / name / "references.json").read_text())
+references = load_references
 
 
 def _prefilled(e, prompt):
