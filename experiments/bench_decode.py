@@ -4,7 +4,8 @@
 
 Our figures are taken after a warm-up run (jit compilation excluded). llama.cpp's figures are printed
 beside ours when llama-cpp-python is importable (same GGUF, same prompt, 2 threads) or when
---llama_bin points at a `llama-bench` binary. Timings only; nothing here is a test.
+--llama_bin names a llama.cpp bin directory with `llama-bench`, with the ratios ours / llama.cpp.
+Timings only; nothing here is a test.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from absl import app, flags, logging
+
+from experiments import llama_cpp_side
 
 FLAGS = flags.FLAGS
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +34,8 @@ flags.DEFINE_string("synthetic_path", str(REPO / "results" / "synthetic-35b-a3b-
                     "Where the synthetic GGUF is written (reused if present).")
 flags.DEFINE_integer("synthetic_prompt_tokens", 32, "Prompt length on the synthetic model.")
 flags.DEFINE_integer("synthetic_decode_tokens", 8, "Decode tokens on the synthetic model.")
-flags.DEFINE_string("llama_bin", None, "Path to llama.cpp's llama-bench (optional).")
+flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory (or a binary in it) holding llama-bench "
+                    "(optional; else llama-cpp-python when installed).")
 flags.DEFINE_integer("threads", 2, "llama.cpp threads.")
 flags.DEFINE_string("jsonl", None, "Also append one JSON line per model here.")
 
@@ -66,57 +69,9 @@ def bench_ours(path: Path, n_prompt: int, n_decode: int, fixture_dir: Path | Non
 
 
 def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:
-    """llama.cpp figures via llama-cpp-python, or llama-bench with --llama_bin; None if neither."""
-    if FLAGS.llama_bin:
-        cmd = [FLAGS.llama_bin, "-m", str(path), "-p", str(len(ids)), "-n", str(n_decode), "-t",
-               str(FLAGS.threads), "-o", "json"]
-        try:
-            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        except (OSError, subprocess.CalledProcessError, json.JSONDecodeError) as e:
-            return {"error": f"llama-bench failed: {e}"}
-        out = {"source": "llama-bench"}
-        for r in res:
-            key = "prefill_tok_s" if r.get("n_prompt", 0) else "decode_tok_s"
-            out[key] = r.get("avg_ts")
-        return out
-    try:
-        import llama_cpp  # noqa: F401  (only checks that it is installed)
-    except ImportError:
-        return None
-    # A separate process: llama.cpp's spinning worker threads and XLA's thread pool must not share cores.
-    args = json.dumps({"path": str(path), "ids": ids, "n_decode": n_decode, "threads": FLAGS.threads,
-                       "n_ctx": FLAGS.max_context})
-    try:
-        res = subprocess.run([sys.executable, "-c", _LLAMA_CPP_WORKER, args], check=True, capture_output=True,
-                             text=True, timeout=1800)
-        return json.loads(res.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
-        err = getattr(e, "stderr", "") or ""
-        return {"error": f"llama-cpp-python failed: {e} {err[-200:]}"}
-
-
-_LLAMA_CPP_WORKER = r"""
-import json, sys, time
-import numpy as np
-import llama_cpp
-a = json.loads(sys.argv[1])
-llm = llama_cpp.Llama(model_path=a["path"], n_ctx=a["n_ctx"], n_batch=512, n_threads=a["threads"],
-                      verbose=False)
-ids = a["ids"]
-llm.eval(ids[:8])  # warm-up
-llm.reset()
-t = time.perf_counter()
-llm.eval(ids)
-prefill_s = time.perf_counter() - t
-tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-t = time.perf_counter()
-for _ in range(a["n_decode"]):
-    llm.eval([tok])
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-decode_s = time.perf_counter() - t
-print(json.dumps({"source": "llama-cpp-python " + llama_cpp.__version__, "prefill_tok_s": len(ids) / prefill_s,
-                  "decode_tok_s": a["n_decode"] / decode_s}))
-"""
+    """llama.cpp prefill / decode figures on the same file and prompt (`llama_cpp_side`)."""
+    return llama_cpp_side.prefill_decode(path, ids, n_decode, threads=FLAGS.threads, n_ctx=FLAGS.max_context,
+                                         llama_bin=FLAGS.llama_bin)
 
 
 def _models() -> list[tuple[str, Path, Path | None, int, int]]:
@@ -151,7 +106,8 @@ def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)
     rows = []
-    header = f"{'model':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   {'llama.cpp prefill':>17s} {'decode':>8s}"
+    header = (f"{'model':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   {'llama.cpp prefill':>17s} "
+              f"{'decode':>8s}   {'ours/llama.cpp prefill':>22s} {'decode':>7s}")
     print(header)
     print("-" * len(header))
     for name, path, fixture_dir, n_prompt, n_decode in _models():
@@ -160,7 +116,9 @@ def main(argv) -> int:
         ref = bench_llama_cpp(path, ids, n_decode)
         lc = ""
         if ref and "error" not in ref:
-            lc = f"{ref['prefill_tok_s']:17.1f} {ref['decode_tok_s']:8.1f}"
+            r_pre = ours["prefill_tok_s"] / ref["prefill_tok_s"]
+            r_dec = ours["decode_tok_s"] / ref["decode_tok_s"]
+            lc = f"{ref['prefill_tok_s']:17.1f} {ref['decode_tok_s']:8.1f}   {r_pre:22.2f} {r_dec:7.2f}"
         elif ref:
             lc = f"  ({ref['error'][:60]})"
         print(f"{name:34s} {ours['prefill_tok_s']:14.1f} {ours['decode_tok_s']:13.1f}   {lc}", flush=True)

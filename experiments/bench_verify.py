@@ -8,6 +8,11 @@ the fixture's prompt 0 (llama.cpp token ids) when the model has a references.jso
 --prompt. Every configuration is warmed up first (jit compilation excluded), then --repeats rounds run
 every configuration once each (interleaved); figures are each configuration's best round, in decode
 tokens/s. Each speculative run's tokens are checked against MTP off (they must be identical).
+
+llama.cpp side by side (optional): with --llama_bin=DIR (a llama.cpp bin directory), the same GGUF and
+prompt text run through `llama-speculative-simple --spec-type draft-mtp` for every k (best of
+--llama_repeats runs) and `llama-bench` for MTP off; with only llama-cpp-python installed, MTP off
+only. The table then prints both MTP speedups (MTP tok/s / MTP-off tok/s) and ours / llama.cpp.
 Timings only; nothing here is a test.
 """
 
@@ -29,6 +34,10 @@ flags.DEFINE_integer("repeats", 7, "Timed rounds (best round per configuration r
 flags.DEFINE_list("ks", ["1", "2", "3", "4", "5", "6", "7"], "Draft lengths k.")
 flags.DEFINE_integer("max_context", 1024, "KV cache positions.")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
+flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
+                    "(optional).")
+flags.DEFINE_integer("llama_repeats", 3, "llama.cpp runs per configuration (best reported).")
+flags.DEFINE_integer("threads", 2, "llama.cpp threads.")
 
 
 def _resolve(name):
@@ -41,13 +50,29 @@ def _resolve(name):
 
 
 def _prompt(engine, path: Path):
+    """(token ids, description, text): the fixture's prompt 0 (llama.cpp's ids) or --prompt."""
     refs = path.parent / "references.json"
     if refs.exists():
         ref = json.loads(refs.read_text())
         variant = ref["variants"].get(path.stem)
         if variant:
-            return variant["tokens"][0], "fixture prompt 0"
-    return engine.tokenizer.encode(FLAGS.prompt), repr(FLAGS.prompt)
+            return variant["tokens"][0], "fixture prompt 0", ref["prompts"][0]
+    return engine.tokenizer.encode(FLAGS.prompt), repr(FLAGS.prompt), FLAGS.prompt
+
+
+def _llama_cpp(path: Path, ids: list[int], text: str, ks: list[int], n: int) -> tuple[dict | None, dict]:
+    """llama.cpp's MTP-off figures and {k: MTP figures} on the same file and prompt (see module doc)."""
+    from experiments import llama_cpp_side
+
+    off = llama_cpp_side.prefill_decode(path, ids, n, threads=FLAGS.threads, n_ctx=FLAGS.max_context,
+                                        llama_bin=FLAGS.llama_bin)
+    mtp = {}
+    for k in ks:
+        r = llama_cpp_side.mtp_speculative(path, text, n, k, llama_bin=FLAGS.llama_bin, threads=FLAGS.threads,
+                                           n_ctx=FLAGS.max_context, repeats=FLAGS.llama_repeats)
+        if r is not None:
+            mtp[k] = r
+    return off, mtp
 
 
 def main(argv) -> int:
@@ -65,7 +90,7 @@ def main(argv) -> int:
     except (SharpiError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ids, prompt_desc = _prompt(engine, path)
+    ids, prompt_desc, prompt_text = _prompt(engine, path)
     n = FLAGS.new_tokens
     print(f"model {path.name} ({engine.config.arch}), prompt: {prompt_desc} ({len(ids)} tokens), "
           f"{n} new tokens, greedy, best of {FLAGS.repeats} interleaved rounds", flush=True)
@@ -112,6 +137,13 @@ def main(argv) -> int:
               f"{'yes' if seq_same and bat_same else 'NO'}")
     print("accept: accepted / drafted; tok/pass: mean accepted drafts + 1 per trunk pass; "
           "draft_s / verify_s: MTP vs trunk seconds of the batched run.")
+    lc_off, lc_mtp = _llama_cpp(path, ids, prompt_text, ks, n)
+    if lc_off is not None or lc_mtp:
+        _print_llama_cpp(off, rows, lc_off, lc_mtp)
+        lc = {"off": lc_off, "mtp": {str(k): v for k, v in lc_mtp.items()}}
+        records.append({"model": path.stem, "llama_cpp": lc})
+    else:
+        print("llama.cpp: not available (install llama-cpp-python, or pass --llama_bin=DIR for MTP)")
     if FLAGS.json_out:
         out_path = Path(FLAGS.json_out)
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +152,32 @@ def main(argv) -> int:
                 f.write(json.dumps({"bench": "verify", "new_tokens": n, **r}) + "\n")
         print(f"wrote {len(records)} records to {out_path}")
     return 0 if all(r.get("same_tokens_as_off", True) for r in records) else 1
+
+
+def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> None:
+    """Side-by-side table: our batched verify vs llama.cpp's draft-mtp, speedups over each one's MTP off."""
+    lc_base = lc_off.get("decode_tok_s") if lc_off and "error" not in lc_off else None
+    src = (lc_off or {}).get("source") or (lc_off or {}).get("error", "n/a")
+    print(f"\nllama.cpp MTP off: {f'{lc_base:.1f} decode tok/s' if lc_base else 'n/a'} ({src}); "
+          f"ours / llama.cpp MTP off: {f'{off / lc_base:.2f}' if lc_base else 'n/a'}")
+    if not lc_mtp:
+        print("llama.cpp MTP: needs --llama_bin=DIR with llama-speculative-simple (llama-cpp-python has no draft-mtp)")
+        return
+    hdr = (f"{'k':>2} {'ours tok/s':>10} {'ours speedup':>12} {'llama tok/s':>11} {'llama speedup':>13} "
+           f"{'ours/llama':>10} {'ours accept':>11} {'llama accept':>12}")
+    print(hdr)
+    print("-" * len(hdr))
+    for k, res in rows:
+        bat, s, _ = res["batched"]
+        lc = lc_mtp.get(k)
+        if lc is None or "error" in lc:
+            print(f"{k:>2} {bat:>10.1f} {bat / off:>12.2f}   ({(lc or {}).get('error', 'n/a')[:70]})")
+            continue
+        lt = lc["decode_tok_s"]
+        sp = f"{lt / lc_base:>13.2f}" if lc_base else f"{'n/a':>13}"
+        print(f"{k:>2} {bat:>10.1f} {bat / off:>12.2f} {lt:>11.1f} {sp} {bat / lt:>10.2f} "
+              f"{s['accepted']:>5}/{s['drafted']:<5} {lc['accepted']:>6}/{lc['drafted']:<5}")
+    print("speedup: MTP decode tok/s / the same engine's MTP-off decode tok/s; accept: accepted / drafted.")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ flags.DEFINE_enum("speculative", None, ["mtp"], "Speculative decoding: mtp = the
 flags.DEFINE_integer("draft_tokens", 3, "MTP draft length k (tokens drafted per trunk pass).")
 flags.DEFINE_enum("verify", "batched", ["batched", "sequential"],
                   "MTP verify: one trunk pass over the k+1 rows, or one single-token step per row.")
+flags.DEFINE_string("expert_budget", None, "Device bytes for routed experts: '8GiB', '512MiB', bytes, or a share "
+                    "of all routed-expert bytes like '25%' (default: every expert resident).")
+flags.DEFINE_enum("expert_policy", "frequency", ["static", "frequency", "lru", "slru"],
+                  "Expert placement policy under --expert_budget.")
 flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 
@@ -40,7 +44,9 @@ def main(argv) -> int:
     import sharpi_jax as sj
 
     try:
-        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context)
+        budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
+                                                              expert_policy=FLAGS.expert_policy)
+        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget)
         if FLAGS.warmup:
             engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature,
                             speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
@@ -64,6 +70,12 @@ def main(argv) -> int:
             print(f"[MTP k={s['draft_tokens']} ({s['verify']} verify): {s['accepted']}/{s['drafted']} drafts accepted "
                   f"({s['acceptance_rate']:.1%}), {s['mean_accept_len']:.2f} tokens per trunk pass, "
                   f"per position {', '.join(f'{x:.2f}' for x in s['accept_per_position'])}]", file=sys.stderr)
+        if "experts" in s:
+            e = s["experts"]
+            print(f"[experts ({e['policy']}, {e['resident_fraction']:.0%} resident, budget "
+                  f"{e['budget_bytes'] / 2**20:.1f} MiB): hit rate {e['hit_rate']:.1%}, "
+                  f"{e['bytes_streamed_per_token'] / 2**20:.2f} MiB streamed per token, "
+                  f"{e['experts_host_computed']} expert uses computed on the host]", file=sys.stderr)
     return 0
 
 

@@ -4,10 +4,13 @@
 
 Config keys: `name`, `models` (preset names from configs/models.json or GGUF paths), `prompts` (a list
 of strings, or "fixtures" for the reference prompts, or "python" for built-in Python snippets),
-`max_new_tokens`, `repeats`, `load` (options for sj.load shared by all points), and `grid`: a dict of
-option -> list of values. Options that `sj.load` takes (max_context, expert_budget, expert_policy,
-expert_mode, ...) reload the model; the rest go to `engine.generate`. Points that differ only in
-options a mode ignores (draft_tokens without speculation) are run once.
+`max_new_tokens`, `repeats`, `load` (options for sj.load shared by all points), `calibrate` (optional,
+{"prompts": ...}: routing counts for expert_policy="frequency", taken on these prompts and saved beside
+the results), and `grid`: a dict of option -> list of values. Options that `sj.load` takes
+(max_context, expert_budget, expert_budget_frac, expert_policy, expert_mode, ...) reload the model;
+the rest go to `engine.generate`. expert_budget is bytes or a string ("8GiB", "25%");
+expert_budget_frac is a share of all routed-expert bytes (0.25). Points that differ only in options a
+mode ignores (draft_tokens without speculation) are run once.
 
 Each record: the sweep name, model, point options, prompt index, repeat, and the generation stats
 flattened (decode_tok_s, prefill_tok_s, acceptance, expert reads, ...). `python -m experiments.plot`
@@ -94,6 +97,23 @@ def _flatten(stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _calibrate(cfg: dict[str, Any], model_name: str, path: Path, out_path: Path, log) -> Path | None:
+    """With a `calibrate` entry ({"prompts": ..., like `prompts`}), the routing counts of `model_name`
+    over those prompts, saved beside the results (never beside the model) for expert_policy="frequency"."""
+    spec = cfg.get("calibrate")
+    if not spec:
+        return None
+    import sharpi_jax as sj
+
+    counts_path = out_path.with_name(f"{out_path.stem}.{Path(str(model_name)).stem}.expert-counts.json")
+    engine = sj.load(path, max_context=int(spec.get("max_context", cfg.get("load", {}).get("max_context", 4096))),
+                     expert_budget="100%")
+    prompts = resolve_prompts(spec.get("prompts"))
+    engine.calibrate_experts(prompts, save=counts_path)
+    log(f"{model_name}: routing counts over {len(prompts)} calibration prompts -> {counts_path}")
+    return counts_path
+
+
 def run_sweep(cfg: dict[str, Any], out_path: Path, log=print) -> list[dict[str, Any]]:
     """Run every (model, load options, point, prompt, repeat); append records to out_path; return them."""
     import sharpi_jax as sj
@@ -108,12 +128,18 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print) -> list[dict[str, 
     with out_path.open("a") as out:
         for model_name in cfg["models"]:
             path = resolve_model(model_name)
+            counts_path = _calibrate(cfg, model_name, path, out_path, log)
             by_load: dict[str, list[dict]] = {}
             for p in points:
                 load_opts = {k: v for k, v in p.items() if k in LOAD_OPTIONS}
                 by_load.setdefault(json.dumps(load_opts, sort_keys=True), []).append(p)
             for load_key, group in by_load.items():
                 load_opts = {**cfg.get("load", {}), **json.loads(load_key)}
+                frac = load_opts.pop("expert_budget_frac", None)
+                if frac is not None:  # a share of all routed-expert bytes (residency.parse_expert_budget)
+                    load_opts["expert_budget"] = f"{100 * float(frac)}%"
+                if counts_path is not None and load_opts.get("expert_budget") is not None:
+                    load_opts.setdefault("expert_counts", str(counts_path))
                 engine = sj.load(path, **load_opts)
                 for point in group:
                     gen_opts = {k: v for k, v in point.items() if k not in LOAD_OPTIONS}
@@ -124,6 +150,8 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print) -> list[dict[str, 
                                 continue
                             rec = {"sweep": cfg["name"], "model": model_name, **point, "prompt": pi,
                                    "repeat": r - 1, "time": time.time(), **_flatten(res.stats)}
+                            if "experts.hit_rate" in rec:  # the residency figure's y (experiments.plot)
+                                rec["hit_rate"] = rec["experts.hit_rate"]
                             out.write(json.dumps(rec) + "\n")
                             out.flush()
                             records.append(rec)

@@ -201,9 +201,10 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
 
     Options: max_context (KV cache positions), dtype (float32 only), prefill_buckets (prefill chunk
     sizes, each compiled once), progress (tqdm bar; default: files >= 256 MiB), expert_mode
-    ("grouped" | "per_token" routed-expert dispatch; bitwise equal), expert_budget (bytes of routed experts
-    kept on the device; None: all) and expert_policy ("static" | "frequency" | "lru" | "slru"), plus the
-    residency options of `sharpi_jax.experts.residency.configure` (device_budget, expert_counts, ...).
+    ("grouped" | "per_token" routed-expert dispatch; bitwise equal), expert_budget (routed-expert bytes
+    kept on the device: an int, "6GiB", or a share like "25%"; None: all) and expert_policy ("static" |
+    "frequency" | "lru" | "slru"), plus the residency options of `sharpi_jax.experts.residency.configure`
+    (device_budget, expert_counts, ...).
     """
     if path is None:
         from sharpi_jax.assets import default_model_path

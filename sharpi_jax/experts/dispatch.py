@@ -206,7 +206,9 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
     """Visit each used expert once; apply it to its bucket in tiles; returns (Y [N, k, D], loads).
 
     A bucket of c rows is cut into chunks; each chunk takes the smallest tile in `tiles` that holds
-    the rest of the bucket (or the largest tile), computes a full tile and writes back only its rows.
+    the rest of the bucket (or the largest tile) and writes a full tile back. The rows a tile writes
+    past its bucket belong to the next used expert's bucket, which is visited later (ascending
+    order) and overwrites them, or to the padding past the end: so no mask is needed.
     """
     n, k = sel.shape
     d = u.shape[1]
@@ -225,22 +227,24 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
         mats, orders = _load_expert(experts, e)  # read + dequantized once per batch
 
         def tile_fn(r):
-            def apply(ys, off, rest):
-                x = jax.lax.dynamic_slice_in_dim(xs, off, r)
-                y = expert_ffn(x, *mats, orders)
-                old = jax.lax.dynamic_slice_in_dim(ys, off, r)
-                keep = jnp.arange(r, dtype=jnp.int32)[:, None] < rest  # never touch the next bucket
-                return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where(keep, y, old), off, axis=0)
+            def apply(ys, off):
+                y = expert_ffn(jax.lax.dynamic_slice_in_dim(xs, off, r), *mats, orders)
+                return jax.lax.dynamic_update_slice_in_dim(ys, y, off, axis=0)
             return apply
 
         branches = [tile_fn(r) for r in tiles]
 
+        def which_tile(rest):
+            return jnp.minimum(jnp.sum(tile_sizes < rest), len(tiles) - 1)
+
+        def apply_tile(ys, off, which):
+            return jax.lax.switch(which, branches, ys, off) if len(tiles) > 1 else branches[0](ys, off)
+
         def chunk(c):
             ys, off, rest = c
-            which = jnp.minimum(jnp.sum(tile_sizes < rest), len(tiles) - 1)
-            ys = jax.lax.switch(which, branches, ys, off, rest) if len(tiles) > 1 else branches[0](ys, off, rest)
+            which = which_tile(rest)
             step = tile_sizes[which]
-            return ys, off + step, rest - step
+            return apply_tile(ys, off, which), off + step, rest - step
 
         ys, _, _ = jax.lax.while_loop(lambda c: c[2] > 0, chunk, (ys, b.starts[e], b.counts[e]))
         return ys, loads + 1

@@ -770,6 +770,8 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     if unknown:
         raise InputError(f"unknown load option(s) {unknown}; residency options are {OPTION_NAMES}")
     device_budget = options.get("device_budget")
+    if expert_budget is not None and config.is_moe:
+        expert_budget = parse_expert_budget(expert_budget, f, config)
     if expert_budget is None and device_budget is None:
         if any(options.get(n) is not None for n in OPTION_NAMES):
             raise InputError("expert residency options need expert_budget (or device_budget)")
@@ -794,6 +796,38 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
                           cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"))
     prefetch = options.get("expert_prefetch")
     return Residency(f, config, plan, counts, 16 if prefetch is None else int(prefetch))
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_expert_budget(value: Any, f: GGUFFile, config: ModelConfig) -> int | None:
+    """expert_budget as given by a caller -> bytes (None stays None).
+
+    Accepts an int (bytes) or a string: "8GiB", "512 MiB", "1.5GB", "123456", or "25%" (that share of
+    all routed-expert bytes in slots, `budget_for_fraction`). Anything else raises InputError.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        try:
+            if text.endswith("%"):
+                frac = float(text[:-1]) / 100
+                if not 0 < frac <= 1:
+                    raise ValueError
+                return budget_for_fraction(f, config, frac)
+            num = text.rstrip("kmgtib")
+            unit = text[len(num):]
+            if unit in _UNITS and num:
+                return int(float(num) * _UNITS[unit])
+        except (ValueError, OverflowError):
+            pass
+    raise InputError(f"expert_budget must be bytes (an int, or a string like '8GiB' / '512MiB') or a share "
+                     f"like '25%' (0-100%], got {value!r}")
 
 
 def budget_for_fraction(f: GGUFFile, config: ModelConfig, frac: float) -> int:

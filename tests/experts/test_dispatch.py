@@ -85,6 +85,23 @@ def test_skewed_routing_all_rows_to_the_same_experts(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_repeated_ids_within_a_row(qtype, n):
+    """Residency routes host-computed pairs along a used expert, so one row may repeat an id and a
+    bucket may hold more than N rows (up to N*k): it still needs every row computed (a regression:
+    a one-tile shortcut for N <= largest tile dropped the rows past the tile)."""
+    rng = np.random.default_rng(5 + n)
+    u, sel, w = _routing(rng, n, 8)
+    sel = np.asarray(sel).copy()
+    sel[:, 3:] = sel[:, :1]  # ranks 3..7 repeat rank 0's expert: a bucket of 6n rows
+    sel = jnp.asarray(sel)
+    a = np.asarray(dp.routed_experts(u, sel, w, _experts(qtype), "per_token"))
+    b = np.asarray(dp.routed_experts(u, sel, w, _experts(qtype), "grouped"))
+    assert not np.isnan(b).any()
+    chex.assert_trees_all_equal(b, a)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_unused_experts(qtype):
     rng = np.random.default_rng(4)
     _assert_parity(_experts(qtype), *_routing(rng, 32, 5, experts=[0, 3, 6, 9, 15]))  # 11 experts unused

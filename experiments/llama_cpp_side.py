@@ -1,0 +1,151 @@
+"""Run the same GGUF through llama.cpp, for the side-by-side columns of the benchmarks.
+
+Two ways in, both optional (never a test requirement):
+
+- `--llama_bin=DIR` (a llama.cpp build's bin directory, or any binary inside it): `llama-bench` for
+  prefill / decode tokens/s and `llama-speculative-simple --spec-type draft-mtp` for MTP speculative
+  decoding (the tool the fixtures' MTP references were recorded with).
+- llama-cpp-python importable: prefill / decode tokens/s from a greedy eval loop in a separate process
+  (llama.cpp's spinning worker threads and XLA's thread pool must not share cores). It exposes no
+  draft-mtp, so MTP figures need --llama_bin.
+
+Every runner returns a dict of figures, `{"error": ...}` when the tool ran and failed, or None when
+the tool is not available. Building the tools: see WORKSPACE.md ("llama.cpp side by side").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+MTP_TOOL = "llama-speculative-simple"
+BENCH_TOOL = "llama-bench"
+
+
+def find_tool(llama_bin: str | None, name: str) -> Path | None:
+    """`name` in the directory `llama_bin` (or beside the binary `llama_bin`), or None."""
+    if not llama_bin:
+        return None
+    base = Path(llama_bin).expanduser()
+    for d in (base, base.parent) if base.is_file() else (base,):
+        p = d / name
+        if p.is_file():
+            return p
+    return None
+
+
+def have_llama_cpp_python() -> bool:
+    try:
+        import llama_cpp  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+        return False
+    return True
+
+
+def prefill_decode(path: Path, ids: list[int], n_decode: int, *, threads: int = 2, n_ctx: int = 1024,
+                   llama_bin: str | None = None) -> dict | None:
+    """llama.cpp prefill and decode tokens/s on `path`: llama-bench from --llama_bin if present, else
+    llama-cpp-python on the same prompt ids, else None."""
+    bench = find_tool(llama_bin, BENCH_TOOL)
+    if bench is not None:
+        return _llama_bench(bench, path, len(ids), n_decode, threads)
+    if have_llama_cpp_python():
+        return _llama_cpp_python(path, ids, n_decode, threads, n_ctx)
+    return None
+
+
+def _llama_bench(tool: Path, path: Path, n_prompt: int, n_decode: int, threads: int) -> dict:
+    cmd = [str(tool), "-m", str(path), "-p", str(n_prompt), "-n", str(n_decode), "-t", str(threads), "-o", "json"]
+    try:
+        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout)
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
+        return {"error": f"llama-bench failed: {e}"}
+    out = {"source": "llama-bench"}
+    for r in res:  # one record for the prompt test (n_prompt > 0), one for the generation test
+        out["prefill_tok_s" if r.get("n_prompt", 0) else "decode_tok_s"] = r.get("avg_ts")
+    return out
+
+
+def _llama_cpp_python(path: Path, ids: list[int], n_decode: int, threads: int, n_ctx: int) -> dict:
+    args = json.dumps({"path": str(path), "ids": ids, "n_decode": n_decode, "threads": threads, "n_ctx": n_ctx})
+    try:
+        res = subprocess.run([sys.executable, "-c", _LLAMA_CPP_PYTHON_WORKER, args], check=True,
+                             capture_output=True, text=True, timeout=1800)
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
+        err = getattr(e, "stderr", "") or ""
+        return {"error": f"llama-cpp-python failed: {e} {err[-200:]}"}
+
+
+_LLAMA_CPP_PYTHON_WORKER = r"""
+import json, sys, time
+import numpy as np
+import llama_cpp
+a = json.loads(sys.argv[1])
+llm = llama_cpp.Llama(model_path=a["path"], n_ctx=a["n_ctx"], n_batch=512, n_threads=a["threads"],
+                      verbose=False)
+ids = a["ids"]
+llm.eval(ids[:8])  # warm-up
+llm.reset()
+t = time.perf_counter()
+llm.eval(ids)
+prefill_s = time.perf_counter() - t
+tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+t = time.perf_counter()
+for _ in range(a["n_decode"]):
+    llm.eval([tok])
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+decode_s = time.perf_counter() - t
+print(json.dumps({"source": "llama-cpp-python " + llama_cpp.__version__, "prefill_tok_s": len(ids) / prefill_s,
+                  "decode_tok_s": a["n_decode"] / decode_s}))
+"""
+
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+_ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+_STAT = re.compile(r"\b(n_drafted|n_accept|n_predict)\s*=\s*(\d+)")
+
+
+def parse_speculative_log(text: str) -> dict:
+    """The figures llama-speculative-simple logs at the end of a run (see its source)."""
+    out: dict = {}
+    if m := _DECODED.search(text):
+        out.update(generated_tokens=int(m[1]), decode_s=float(m[2]), decode_tok_s=float(m[3]))
+    if m := _ENCODED.search(text):
+        out.update(prompt_tokens=int(m[1]), prefill_tok_s=float(m[3]))
+    for key, val in _STAT.findall(text):
+        out[{"n_drafted": "drafted", "n_accept": "accepted", "n_predict": "n_predict"}[key]] = int(val)
+    if out.get("drafted"):
+        out["acceptance_rate"] = out["accepted"] / out["drafted"]
+    return out
+
+
+def mtp_speculative(path: Path, prompt: str, n_new: int, draft_tokens: int, *, llama_bin: str | None,
+                    threads: int = 2, n_ctx: int = 1024, repeats: int = 1) -> dict | None:
+    """Greedy MTP speculative decoding by llama.cpp (draft-mtp, `draft_tokens` drafts per pass) on the
+    text `prompt`; the best decode tok/s of `repeats` runs. None without llama-speculative-simple."""
+    tool = find_tool(llama_bin, MTP_TOOL)
+    if tool is None:
+        return None
+    cmd = [str(tool), "-m", str(path), "-p", prompt, "-n", str(n_new), "--temp", "0", "-t", str(threads),
+           "-c", str(n_ctx), "--spec-type", "draft-mtp", "--spec-draft-n-max", str(draft_tokens)]
+    best, good, tries = None, 0, 0
+    # llama.cpp logs from a background thread; a run now and then exits before its last lines are
+    # written, so a run without its summary is retried (up to twice the runs asked for).
+    while good < max(1, repeats) and tries < 2 * max(1, repeats) + 1:
+        tries += 1
+        try:
+            res = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+        except (OSError, subprocess.SubprocessError) as e:
+            return {"error": f"{MTP_TOOL} failed: {e} {(getattr(e, 'stderr', '') or '')[-300:]}"}
+        got = parse_speculative_log(res.stdout + res.stderr)
+        if "decode_tok_s" not in got or "accepted" not in got:
+            continue
+        good += 1
+        if best is None or got["decode_tok_s"] > best["decode_tok_s"]:
+            best = got
+    if best is None:
+        return {"error": f"{MTP_TOOL}: no summary ('decoded ... t/s', n_accept) in {tries} runs' logs"}
+    return {"source": MTP_TOOL, "runs": good, **best}
