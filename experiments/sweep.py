@@ -104,6 +104,11 @@ def _calibrate(cfg: dict[str, Any], model_name: str, path: Path, out_path: Path,
     if not spec:
         return None
     import sharpi_jax as sj
+    from sharpi_jax.gguf import GGUFFile, read_model_config
+
+    with GGUFFile(path) as f:
+        if not read_model_config(f).is_moe:
+            return None  # a dense model has no routed experts to place
 
     counts_path = out_path.with_name(f"{out_path.stem}.{Path(str(model_name)).stem}.expert-counts.json")
     engine = sj.load(path, max_context=int(spec.get("max_context", cfg.get("load", {}).get("max_context", 4096))),

@@ -8,8 +8,8 @@ and the MTP/trunk top-1 agreement every eval_every steps), writes <out_dir>/trai
 <out_dir>/summary.json, exports <out_dir>/tiny-trained-F32.gguf and -Q8_0.gguf, and prints a greedy
 continuation of a Python prompt by the inference engine. With --install, copies the Q8_0 file to
 sharpi_jax/assets/default.gguf and the F32 file to sharpi_jax/assets/default-F32.gguf (the embedded
-default model). The preset's 1600 steps (3.3M tokens) take about 11 minutes on an idle 2-core CPU
-(~5,200 tokens/s) and reproduce the shipped model; --time_budget_s=S compresses the learning-rate
+default model). The preset's 1600 steps (3.3M tokens) take about 12 minutes on a 2-core CPU and
+reproduce the shipped files byte for byte; --time_budget_s=S compresses the learning-rate
 schedule to fit S seconds on a slower or busy machine instead of overrunning.
 """
 
