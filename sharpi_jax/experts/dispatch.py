@@ -234,17 +234,12 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
 
         branches = [tile_fn(r) for r in tiles]
 
-        def which_tile(rest):
-            return jnp.minimum(jnp.sum(tile_sizes < rest), len(tiles) - 1)
-
-        def apply_tile(ys, off, which):
-            return jax.lax.switch(which, branches, ys, off) if len(tiles) > 1 else branches[0](ys, off)
-
         def chunk(c):
             ys, off, rest = c
-            which = which_tile(rest)
+            which = jnp.minimum(jnp.sum(tile_sizes < rest), len(tiles) - 1)
+            ys = jax.lax.switch(which, branches, ys, off) if len(tiles) > 1 else branches[0](ys, off)
             step = tile_sizes[which]
-            return apply_tile(ys, off, which), off + step, rest - step
+            return ys, off + step, rest - step
 
         ys, _, _ = jax.lax.while_loop(lambda c: c[2] > 0, chunk, (ys, b.starts[e], b.counts[e]))
         return ys, loads + 1
