@@ -70,6 +70,7 @@ from sharpi_jax.experts import dispatch
 from sharpi_jax.experts.streaming import (COLD_MODES, DEFAULT_STREAM_MIN_ROWS, MATRICES, Streamer,
                                           expert_weights)
 from sharpi_jax.gguf.reader import GGUFFile
+from sharpi_jax.model.moe import expert_storage, storage_values, storage_variables, to_expert_storage
 
 POLICIES = ("static", "frequency", "lru", "slru")
 SLRU_PROTECTED_FRAC = 0.8
@@ -345,18 +346,6 @@ def save_counts(counts: Mapping[int, Sequence[int]], model_path: str | os.PathLi
 # ----------------------------------------------------------------------------- the module
 
 
-def _cache_vars(spec):
-    if isinstance(spec, dict):
-        return nnx.Dict({k: ExpertCache(jnp.zeros(s.shape, s.dtype)) for k, s in spec.items()})
-    return ExpertCache(jnp.zeros(spec.shape, spec.dtype))
-
-
-def _get(v):
-    if isinstance(v, nnx.Dict):
-        return {k: x[...] for k, x in v.items()}
-    return v[...]
-
-
 def _set(v, value):
     if isinstance(v, nnx.Dict):
         for k, x in v.items():
@@ -399,10 +388,9 @@ def _matrix_shape(spec: LayerSpec, m: str) -> tuple[int, int]:
 def staging_buffer(spec: LayerSpec) -> nnx.Dict:
     """The device staging of streamed experts ([staging, ...] in slot storage form; empty when the
     layer only host-computes). One per block-type mix, shared by its layers (they run one at a time)."""
-    from sharpi_jax.model.moe import expert_storage  # pylint: disable=import-outside-toplevel
 
     G = spec.staging if spec.cold != "host" else 0
-    return nnx.Dict({m: _cache_vars(expert_storage((G,) + _matrix_shape(spec, m), spec.qtypes[j]))
+    return nnx.Dict({m: storage_variables(expert_storage((G,) + _matrix_shape(spec, m), spec.qtypes[j]), ExpertCache)
                      for j, m in enumerate(MATRICES)})
 
 
@@ -422,13 +410,13 @@ class ResidentExperts(nnx.Module):
 
     def __init__(self, spec: LayerSpec, streamer: Streamer, staged: nnx.Dict | None = None):
         """staged: the staging buffer shared by the layers of this block-type mix (`staging_buffer`)."""
-        from sharpi_jax.model.moe import expert_storage  # pylint: disable=import-outside-toplevel
-
+    
         self.spec = spec
         self.streamer = streamer
         S, E = spec.n_slots, spec.n_expert
         for j, m in enumerate(MATRICES):
-            setattr(self, m, _cache_vars(expert_storage((S,) + _matrix_shape(spec, m), spec.qtypes[j])))
+            shape = (S,) + _matrix_shape(spec, m)
+            setattr(self, m, storage_variables(expert_storage(shape, spec.qtypes[j]), ExpertCache))
         self.staged = staged if staged is not None else staging_buffer(spec)
         i32 = jnp.int32
         self.lut = ExpertCache(jnp.full((E,), -1, i32))
@@ -449,9 +437,9 @@ class ResidentExperts(nnx.Module):
         s = self.spec
         N, k = sel.shape
         E, S = s.n_expert, s.n_slots
-        v = {name: _get(getattr(self, name)) for name in self._SMALL}
-        stack = {m: _get(getattr(self, m)) for m in MATRICES}
-        staged = {m: _get(self.staged[m]) for m in MATRICES}
+        v = {name: storage_values(getattr(self, name)) for name in self._SMALL}
+        stack = {m: storage_values(getattr(self, m)) for m in MATRICES}
+        staged = {m: storage_values(self.staged[m]) for m in MATRICES}
         vmask = jnp.ones((N, k), bool) if valid is None else jnp.broadcast_to(valid[:, None], (N, k))
         slot = v["lut"][sel]
         hit = slot >= 0
@@ -530,8 +518,6 @@ class ResidentExperts(nnx.Module):
         ctr = ctr.at[_C["host_experts"]].add((host_ids >= 0).sum().astype(jnp.int32))
         tgt = jnp.full((self._n_write(N),), S, jnp.int32)
         if n_stage:
-            from sharpi_jax.model.moe import to_expert_storage  # pylint: disable=import-outside-toplevel
-
             shapes3 = ((n_stage, F, D), (n_stage, F, D), (n_stage, D, F))
             staged = {m: to_expert_storage(res[j], shapes3[j], s.qtypes[j]) for j, m in enumerate(MATRICES)}
             if s.n_ring:
@@ -629,8 +615,6 @@ class Residency:
         return source
 
     def _param(self, layer: int, name: str, rest: tuple, memo: dict):
-        from sharpi_jax.model.moe import expert_storage, to_expert_storage  # pylint: disable=import-outside-toplevel
-
         spec = self.plan.layers[layer]
         ids = np.asarray(spec.resident, np.int64)
         S, E = spec.n_slots, spec.n_expert

@@ -71,13 +71,15 @@ def to_expert_storage(raw, shape: tuple[int, ...], qtype: int):
     return raw
 
 
-def _variables(spec):
+def storage_variables(spec, kind: type[nnx.Variable] = QuantBlocks):
+    """Zero-filled `kind` variables shaped like `expert_storage` (one, or an nnx.Dict of SoA fields)."""
     if isinstance(spec, dict):
-        return nnx.Dict({k: QuantBlocks(jnp.zeros(s.shape, s.dtype)) for k, s in spec.items()})
-    return QuantBlocks(jnp.zeros(spec.shape, spec.dtype))
+        return nnx.Dict({k: kind(jnp.zeros(s.shape, s.dtype)) for k, s in spec.items()})
+    return kind(jnp.zeros(spec.shape, spec.dtype))
 
 
-def _values(v):
+def storage_values(v):
+    """The arrays held by `storage_variables` (a dict for SoA fields)."""
     if isinstance(v, nnx.Dict):
         return {k: x[...] for k, x in v.items()}
     return v[...]
@@ -90,15 +92,16 @@ class RoutedExperts(nnx.Module):
         self.n_expert, self.d_model, self.d_ff = n_expert, d_model, d_ff
         self.qtypes = tuple(int(q) for q in qtypes)  # (gate, up, down), ggml type ids
         E, D, F = n_expert, d_model, d_ff
-        self.gate = _variables(expert_storage((E, F, D), self.qtypes[0]))
-        self.up = _variables(expert_storage((E, F, D), self.qtypes[1]))
-        self.down = _variables(expert_storage((E, D, F), self.qtypes[2]))
+        self.gate = storage_variables(expert_storage((E, F, D), self.qtypes[0]))
+        self.up = storage_variables(expert_storage((E, F, D), self.qtypes[1]))
+        self.down = storage_variables(expert_storage((E, D, F), self.qtypes[2]))
 
     def weights(self) -> ExpertWeights:
         """The dispatch module's view of these experts (no copy)."""
         names = [qtype_name(q) for q in self.qtypes]
         layout = "soa" if any(n in qb.QUANTIZED for n in names) else "gguf"
-        return ExpertWeights(_values(self.gate), _values(self.up), _values(self.down), *names, layout)
+        mats = (storage_values(self.gate), storage_values(self.up), storage_values(self.down))
+        return ExpertWeights(*mats, *names, layout)
 
 
 def route(router_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
