@@ -21,6 +21,7 @@ from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
 from sharpi_jax.model.moe import EXPERT_MODES
 from sharpi_jax.model.weights import load_model, load_mtp
+from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
@@ -48,7 +49,7 @@ class Engine:
     def __init__(self, path: str | os.PathLike[str], max_context: int = 4096, dtype: Any = jnp.float32, *,
                  prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, progress: bool | None = None,
                  expert_mode: str = "grouped", expert_budget: int | None = None, expert_policy: str = "frequency",
-                 **residency_options: Any):
+                 kernels: str = "auto", repack: str | None = None, **residency_options: Any):
         _check_dtype(dtype)
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise InputError(f"max_context must be a positive integer, got {max_context!r}")
@@ -58,11 +59,17 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata, source=self.gguf.source)
         if expert_mode not in EXPERT_MODES:
             raise InputError(f"expert_mode must be one of {EXPERT_MODES}, got {expert_mode!r}")
+        self.matrix_format = MatrixFormat(resolve_kernels(kernels), repack)
+        if self.matrix_format.backend == "pallas":
+            if expert_budget is not None:
+                raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
+                                 "grouped kernel reads whole expert stacks (use kernels='xla')")
+            expert_mode = "pallas"  # the grouped-matmul + weighted-reduce kernels (see model.moe)
         self.expert_mode = expert_mode
         self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
                                                     **residency_options)
         self.model = load_model(self.gguf, self.config, progress=progress, expert_mode=expert_mode,
-                                residency=self.residency)
+                                residency=self.residency, fmt=self.matrix_format)
         self.runtime = Runtime(self.model, int(max_context), prefill_buckets)
         self._mtp: MTPRuntime | None = None
 
@@ -131,7 +138,8 @@ class Engine:
         if self._mtp is None:
             if not self.config.has_mtp:
                 raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
-            head = load_mtp(self.gguf, self.config, self.model, expert_mode=self.expert_mode)
+            head = load_mtp(self.gguf, self.config, self.model, expert_mode=self.expert_mode,
+                            fmt=self.matrix_format)
             self._mtp = MTPRuntime(head, self.max_context)
         return self._mtp
 
@@ -203,7 +211,10 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     sizes, each compiled once), progress (tqdm bar; default: files >= 256 MiB), expert_mode
     ("grouped" | "per_token" routed-expert dispatch; bitwise equal), expert_budget (routed-expert bytes
     kept on the device: an int, "6GiB", or a share like "25%"; None: all) and expert_policy ("static" |
-    "frequency" | "lru" | "slru"), plus the residency options of `sharpi_jax.experts.residency.configure`
+    "frequency" | "lru" | "slru"), kernels ("auto" | "xla" | "pallas" | "reference": the matmul backend,
+    "auto" = Pallas on a GPU, XLA elsewhere; see `sharpi_jax.quant.matmul`), repack (None: every matrix
+    in its GGUF encoding; "int8": XLA:CPU int8 repacking of quantized matrices, lossy, 1 B/weight),
+    plus the residency options of `sharpi_jax.experts.residency.configure`
     (device_budget, expert_counts, ...).
     """
     if path is None:

@@ -722,18 +722,10 @@ class Residency:
 
 
 def non_expert_bytes(f: GGUFFile, c: ModelConfig) -> int:
-    """Device bytes of every trunk param except the routed experts, as `load_model` materializes them."""
-    from sharpi_jax.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
-    from sharpi_jax.model.weights import _qtypes  # pylint: disable=import-outside-toplevel
+    """Device bytes of every param except the routed experts, as the loader holds them."""
+    from sharpi_jax.model.weights import non_expert_bytes as model_bytes  # pylint: disable=import-outside-toplevel
 
-    abstract = nnx.eval_shape(lambda: Transformer(c, _qtypes(f, c)))
-    total = 0
-    for path, var in nnx.to_flat_state(nnx.state(abstract)):
-        if "experts" in path:
-            continue
-        x = var.get_value() if hasattr(var, "get_value") else var
-        total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-    return total
+    return model_bytes(f, c)
 
 
 OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",

@@ -1,7 +1,9 @@
-"""Basic layers: Linear (weights stored [in, out]), RMSNorm, partial NEOX rope, SwiGLU.
+"""Basic layers: Linear (weights as QTensors), RMSNorm, partial NEOX rope, SwiGLU.
 
-Every weight is float32. GGUF matrices `{in, out}` (numpy `[out, in]`) are transposed once at load:
-on XLA CPU `x @ w` with `w` [in, out] is ~1.6x faster than `x @ w.T` for decode-sized `x`.
+A Linear's weight is the GGUF matrix `[out, in]` held as a tuple of QTensors stacked along the
+outputs (a fused projection whose parts have different ggml types keeps one QTensor per run of equal
+types); `sharpi_jax.quant.matmul` computes each part in the layout the kernel backend chose at load.
+A freshly constructed Linear holds one float32 part (training and synthetic use).
 """
 
 from __future__ import annotations
@@ -11,15 +13,32 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharpi_jax.quant import QTensor, matmul
+
+
+def float_weight(w_in_out: jax.Array) -> tuple[QTensor]:
+    """A float32 `[d_in, d_out]` matrix as a Linear weight (one exact "float_t" QTensor part)."""
+    w = jnp.asarray(w_in_out, jnp.float32)
+    return (QTensor({"w": w}, 0, (int(w.shape[1]), int(w.shape[0])), "float_t"),)  # ggml type 0 = F32
+
 
 class Linear(nnx.Module):
-    """y = x @ w, no bias; `w` float32 [d_in, d_out]."""
+    """y = x @ W.T, no bias; W [d_out, d_in] as a tuple of QTensor row blocks (see module doc)."""
 
     def __init__(self, d_in: int, d_out: int):
-        self.w = nnx.Param(jnp.zeros((d_in, d_out), jnp.float32))
+        self.d_in, self.d_out = d_in, d_out
+        self.w = nnx.Param(float_weight(jnp.zeros((d_in, d_out), jnp.float32)))
+
+    def parts(self) -> tuple[QTensor, ...]:
+        return tuple(self.w.get_value())
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.w[...]
+        ys = [matmul(x, p) for p in self.parts()]
+        return ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
+
+    def dequantize(self) -> jax.Array:
+        """The float32 `[d_out, d_in]` matrix (tests)."""
+        return jnp.concatenate([p.dequantize() for p in self.parts()], axis=0)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -22,6 +22,9 @@ from sharpi_jax.model.layers import Linear, SwiGLU
 
 WEIGHT_SUM_CLAMP = 6.103515625e-5  # ggml's clamp of the top-k weight sum
 EXPERT_MODES = ("grouped", "per_token")  # bitwise equal per row; grouped reads each expert once
+# "pallas" (kernels="pallas"): the Pallas grouped-matmul + weighted-reduce kernels (in-kernel dequant of
+# F32/F16/Q8_0/Q4_K); a layer whose experts have another ggml type keeps "grouped".
+PALLAS_EXPERT_TYPES = ("f32", "f16", "q8_0", "q4_k")
 
 
 class QuantBlocks(nnx.Variable):
@@ -119,8 +122,10 @@ class MoE(nnx.Module):
     def __init__(self, c: ModelConfig, expert_qtypes: tuple[int, int, int], expert_mode: str = "grouped",
                  experts: nnx.Module | None = None):
         """experts: a replacement for the routed experts (`residency.ResidentExperts`), or None."""
-        if expert_mode not in EXPERT_MODES:
-            raise ValueError(f"expert_mode must be one of {EXPERT_MODES}, got {expert_mode!r}")
+        if expert_mode not in (*EXPERT_MODES, "pallas"):
+            raise ValueError(f"expert_mode must be one of {EXPERT_MODES} or 'pallas', got {expert_mode!r}")
+        if expert_mode == "pallas" and any(qtype_name(q) not in PALLAS_EXPERT_TYPES for q in expert_qtypes):
+            expert_mode = "grouped"
         self.n_expert, self.k, self.expert_mode = c.n_expert, c.n_expert_used, expert_mode
         self.has_shared = c.shared_expert_ff > 0
         self.router = Linear(c.d_model, c.n_expert + (1 if self.has_shared else 0))

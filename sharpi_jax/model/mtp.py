@@ -30,15 +30,14 @@ from sharpi_jax.model.transformer import Block, TokenEmbedding
 class MTPHead(nnx.Module):
     """The MTP block of a qwen35moe / qwen35 / qwen3next model with its embedding and LM head."""
 
-    def __init__(self, c: ModelConfig, embed_qtype: int, expert_qtypes: tuple[int, int, int] | None = None,
+    def __init__(self, c: ModelConfig, expert_qtypes: tuple[int, int, int] | None = None,
                  expert_mode: str = "grouped"):
-        """embed_qtype: ggml type of the embedding rows (kept in block form, as the trunk's);
-        expert_qtypes: (gate, up, down) ggml types of the block's routed experts (MoE archs)."""
+        """expert_qtypes: (gate, up, down) ggml types of the block's routed experts (MoE archs)."""
         if not c.has_mtp:
             raise ValueError("config has no MTP block (nextn_predict_layers = 0)")
         self.config = c
         D = c.d_model
-        self.embed = TokenEmbedding(c.n_vocab, D, embed_qtype)
+        self.embed = TokenEmbedding(c.n_vocab, D)
         self.enorm = RMSNorm(D, c.rms_eps)
         self.hnorm = RMSNorm(D, c.rms_eps)
         self.eh_proj = Linear(2 * D, D)

@@ -25,18 +25,21 @@ from sharpi_jax.config import ModelConfig
 from sharpi_jax.model.attention import GatedAttention
 from sharpi_jax.model.gated_delta_net import GatedDeltaNet
 from sharpi_jax.model.layers import Linear, RMSNorm, SwiGLU
-from sharpi_jax.model.moe import MoE, QuantBlocks, blocks_shape, dequantize_rows
+from sharpi_jax.model.moe import MoE
+from sharpi_jax.quant import QTensor
 
 
 class TokenEmbedding(nnx.Module):
-    """`token_embd` kept in its GGUF block format; a lookup dequantizes only the rows it gathers."""
+    """`token_embd` [n_vocab, d_model] as a QTensor in its GGUF encoding; a lookup dequantizes only
+    the rows it gathers (exact)."""
 
-    def __init__(self, n_vocab: int, d_model: int, qtype: int):
-        self.d_model, self.qtype = d_model, int(qtype)
-        self.raw = QuantBlocks(jnp.zeros(blocks_shape((n_vocab, d_model), self.qtype), jnp.uint8))
+    def __init__(self, n_vocab: int, d_model: int):
+        self.d_model = d_model
+        self.table = nnx.Param(QTensor({"w": jnp.zeros((n_vocab, d_model), jnp.float32)}, 0, (n_vocab, d_model),
+                                       "float"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return dequantize_rows(self.raw[...][ids], self.qtype, self.d_model)
+        return self.table.get_value().take(ids).dequantize()
 
 
 class Block(nnx.Module):
@@ -67,7 +70,7 @@ class Transformer(nnx.Module):
         expert_mode: the routed-expert dispatch ("grouped" or "per_token", bitwise equal);
         residency: a `sharpi_jax.experts.residency.Residency` (expert slots + streaming), or None."""
         self.config = c
-        self.embed = TokenEmbedding(c.n_vocab, c.d_model, qtypes["token_embd.weight"])
+        self.embed = TokenEmbedding(c.n_vocab, c.d_model)
         layers = []
         for i in range(c.n_layer):
             eq = None

@@ -1,17 +1,17 @@
 """GGUF tensors -> Transformer params: one table from param path to GGUF name(s) and a transform.
 
-What is materialized (float32, dequantized once at load): every dense matrix (attention, GDN
-projections, shared expert, dense FFN, router, LM head), norms, conv, ssm_a, dt bias. What stays in its
-GGUF encoding (dequantized inside the jitted step, only the rows used): `token_embd` (raw block rows)
-and the routed experts (Q8_0 / Q4_K: the same bytes split per block field, see `moe.expert_storage`;
-F32 / F16: float arrays; other types: raw block rows). Matrices are transposed to [in, out] and fused:
-attention [q+gate | k | v], GDN [qkv | z | beta | alpha], router [E experts | shared-expert gate],
-SwiGLU [gate | up]. The skeleton comes from `nnx.eval_shape`, so nothing is allocated twice.
+Every matrix keeps its GGUF encoding: a Linear holds the file's `[out, in]` rows as QTensors in the
+layout the `MatrixFormat` chooses (kernel backend + explicit repacking, `sharpi_jax.quant`); fused
+projections stack their parts' rows: attention [q+gate | k | v], GDN [qkv | z | beta | alpha], router
+[E experts | shared-expert gate], SwiGLU [gate | up] (parts of different ggml types stay separate
+QTensors). `token_embd` is a QTensor too (a lookup dequantizes the rows it gathers); routed experts stay
+in their storage form (`moe.expert_storage`). Norms, conv, ssm_a and dt bias are float32 vectors. The
+skeleton comes from `nnx.eval_shape`, so nothing is allocated twice.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,9 +25,9 @@ from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.model.moe import to_expert_storage
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.model.transformer import Block, Transformer
+from sharpi_jax.quant import MatrixFormat, QTensor, abstract, pack_rows
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for files at least this large
-CHUNK_VALUES = 1 << 24  # dequantize big tensors in fixed-size row chunks (bounded memory, one compile)
 
 
 def _float(f: GGUFFile, name: str) -> np.ndarray:
@@ -38,53 +38,46 @@ def _float(f: GGUFFile, name: str) -> np.ndarray:
     return np.asarray(quants.dequantize(f.raw(name), t.qtype, t.shape, name=f"{f.source}:{name}"))
 
 
-def _row_chunks(f: GGUFFile, name: str):
-    """Yield (row0, float32 [rows, cols]) pieces of a 2-D (or {D,1}) tensor, in order."""
+def _source(f: GGUFFile, name: str) -> tuple[int, np.ndarray, int]:
+    """(ggml type, uint8 rows [rows, row_bytes] (a zero-copy view), cols) of a matrix or vector."""
     t = f.tensor(name)
-    cols = t.shape[-1]
-    n_rows = t.n_elements // cols
-    if t.qtype == GGMLQuantizationType.F32:
-        yield 0, f.array(name).reshape(n_rows, cols)
-        return
-    raw = f.raw(name).reshape(n_rows, -1)
-    step = max(1, CHUNK_VALUES // cols)
-    if n_rows <= step:
-        yield 0, np.asarray(quants.dequantize(raw, t.qtype, (n_rows, cols), name=f"{f.source}:{name}"))
-        return
-    buf = np.zeros((step, raw.shape[1]), np.uint8)  # fixed shape: the jitted dequantizer compiles once
-    for r0 in range(0, n_rows, step):
-        n = min(step, n_rows - r0)
-        buf[:n] = raw[r0:r0 + n]
-        out = np.asarray(quants.dequantize(buf, t.qtype, (step, cols), name=f"{f.source}:{name}"))
-        yield r0, out[:n]
+    raw = f.raw(name)
+    return int(t.qtype), raw.reshape(-1, raw.shape[-1]), t.shape[-1]
 
 
-def _rows(f: GGUFFile, *names: str) -> np.ndarray:
-    """Dequantize [out, in] matrices, stack their rows (fusion) and return the [in, out] transpose,
-    written chunk by chunk (peak memory: the result plus one chunk)."""
-    infos = [f.tensor(n) for n in names]
-    cols = infos[0].shape[-1]
-    sizes = [t.n_elements // cols for t in infos]
-    out = np.empty((cols, sum(sizes)), np.float32)
-    base = 0
-    for name, size in zip(names, sizes):
-        for r0, piece in _row_chunks(f, name):
-            out[:, base + r0: base + r0 + piece.shape[0]] = piece.T
-        base += size
-    return out
+def _matrix(fmt: MatrixFormat, *sources: tuple[int, np.ndarray, int]) -> tuple[QTensor, ...]:
+    """Matrices stacked along their rows (outputs), as QTensors: consecutive sources of one ggml type
+    share one QTensor (their GGUF rows concatenated), so a fused projection of one type is one matmul."""
+    runs: list[list] = []
+    for qtype, raw, cols in sources:
+        if runs and runs[-1][0] == qtype:
+            runs[-1][1].append(raw)
+        else:
+            runs.append([qtype, [raw], cols])
+    out = []
+    for qtype, raws, cols in runs:
+        raw = raws[0] if len(raws) == 1 else np.concatenate(raws, axis=0)
+        out.append(pack_rows(raw, qtype, cols, fmt.layout(qtype, (raw.shape[0], cols))))
+    return tuple(out)
+
+
+def _rows(f: GGUFFile, fmt: MatrixFormat, *names: str) -> tuple[QTensor, ...]:
+    """GGUF matrices `names`, rows stacked (fusion), as a Linear weight."""
+    return _matrix(fmt, *(_source(f, n) for n in names))
 
 
 def _vector(f: GGUFFile, name: str) -> np.ndarray:
     return np.ascontiguousarray(_float(f, name).reshape(-1))
 
 
-def _split_ba(f: GGUFFile, name: str, c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """qwen3next ssm_ba [2Hv, D]: per k-group g the rows are [b (r) | a (r)] (spec 3.3 step 1).
-    Returns (W_beta, W_alpha) [Hv, D] in grouped v-head order."""
-    w = _float(f, name)
+def _split_ba(f: GGUFFile, name: str, c: ModelConfig) -> list[tuple[int, np.ndarray, int]]:
+    """qwen3next ssm_ba [2Hv, D]: per k-group g the rows are [b (r) | a (r)] (beta first, then alpha).
+    Returns the (beta, alpha) row sources [Hv, D] in grouped v-head order (GGUF rows regrouped)."""
+    qtype, raw, cols = _source(f, name)
     Hk, r = c.ssm_n_group, c.gdn_head_ratio
-    w = w.reshape(Hk, 2 * r, -1)
-    return w[:, :r].reshape(Hk * r, -1), w[:, r:].reshape(Hk * r, -1)
+    raw = raw.reshape(Hk, 2 * r, -1)
+    return [(qtype, np.ascontiguousarray(raw[:, :r]).reshape(Hk * r, -1), cols),
+            (qtype, np.ascontiguousarray(raw[:, r:]).reshape(Hk * r, -1), cols)]
 
 
 def _expert_storage(f: GGUFFile, c: ModelConfig, layer: int, which: str, field: str | None, memo: dict):
@@ -123,69 +116,97 @@ def expert_qtypes(f: GGUFFile, layer: int) -> tuple[int, int, int]:
 
 
 def _qtypes(f: GGUFFile, c: ModelConfig) -> dict[str, int]:
-    """ggml types of the tensors kept as blocks, keyed by their canonical name."""
-    q = {"token_embd.weight": int(f.tensor("token_embd.weight").qtype)}
+    """ggml types of the routed experts, keyed by their canonical name."""
+    q = {}
     for i in range(c.n_layer if c.is_moe else 0):
         for which, qt in zip(("gate", "up", "down"), expert_qtypes(f, i)):
             q[f"blk.{i}.ffn_{which}_exps.weight"] = qt
     return q
 
 
-def _param_source(f: GGUFFile, c: ModelConfig, path: tuple, memo: dict) -> Callable[[], np.ndarray]:
+def non_expert_bytes(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat = MatrixFormat()) -> int:
+    """Device bytes of every trunk and MTP tensor but the routed experts, as `load_model` / `load_mtp`
+    hold them in `fmt` (from the tensor table and layouts: nothing is read or allocated)."""
+    total = 0
+    for name, t in f.tensors.items():
+        if "_exps." in name:
+            continue
+        if len(t.shape) == 2 and name != "token_embd.weight" and not name.endswith("embed_tokens.weight"):
+            total += abstract(int(t.qtype), t.shape, fmt.layout(int(t.qtype), t.shape)).nbytes
+        elif len(t.shape) == 2:  # embedding tables keep their GGUF bytes (float types: as floats)
+            total += t.nbytes
+        else:  # vectors, ssm_conv1d: float32
+            total += 4 * t.n_elements
+    if "output.weight" not in f.tensors:  # a tied LM head is its own matrix in the chosen layout
+        t = f.tensor("token_embd.weight")
+        total += abstract(int(t.qtype), t.shape, fmt.layout(int(t.qtype), t.shape)).nbytes
+    return total
+
+
+def _embedding(f: GGUFFile, name: str) -> QTensor:
+    """An embedding table [n_vocab, D] in its GGUF encoding (float types as float arrays)."""
+    qtype, raw, cols = _source(f, name)
+    layout = "float" if qtype in (0, 1, 30) else "blocks"  # F32, F16, BF16
+    return pack_rows(raw, qtype, cols, layout)
+
+
+def _param_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, path: tuple, memo: dict) -> Callable[[], Any]:
     """The loader of one param, by its nnx path."""
-    if path == ("embed", "raw"):
-        return lambda: f.raw("token_embd.weight")
+    if path == ("embed", "table"):
+        return lambda: _embedding(f, "token_embd.weight")
     if path == ("output_norm", "weight"):
         return lambda: _vector(f, "output_norm.weight")
     if path == ("lm_head", "w"):
         head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"  # tied
-        return lambda: _rows(f, head)
+        return lambda: _rows(f, fmt, head)
     if path[0] != "layers":
         raise KeyError(path)
-    return _block_source(f, c, path[1], tuple(path[2:]), memo)
+    return _block_source(f, c, fmt, path[1], tuple(path[2:]), memo)
 
 
-def _block_source(f: GGUFFile, c: ModelConfig, i: int, rest: tuple, memo: dict) -> Callable[[], np.ndarray]:
+def _block_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, i: int, rest: tuple, memo: dict
+                  ) -> Callable[[], Any]:
     """The loader of one param of block `i` (trunk or MTP), by its path inside the Block."""
     p = f"blk.{i}"
+    rows = lambda *names: _rows(f, fmt, *names)  # noqa: E731
     if rest[:2] == ("ffn", "experts") and len(rest) in (3, 4):
         return lambda: _expert_storage(f, c, i, rest[2], rest[3] if len(rest) == 4 else None, memo)
     simple = {
         ("attn_norm", "weight"): lambda: _vector(f, f"{p}.attn_norm.weight"),
         ("post_norm", "weight"): lambda: _vector(f, f"{p}.post_attention_norm.weight"),
         # gated attention
-        ("mixer", "w_qkv", "w"): lambda: (_rows(f, f"{p}.attn_qkv.weight") if f"{p}.attn_qkv.weight" in f.tensors
-                                          else _rows(f, f"{p}.attn_q.weight", f"{p}.attn_k.weight",
+        ("mixer", "w_qkv", "w"): lambda: (rows(f"{p}.attn_qkv.weight") if f"{p}.attn_qkv.weight" in f.tensors
+                                          else rows(f"{p}.attn_q.weight", f"{p}.attn_k.weight",
                                                      f"{p}.attn_v.weight")),
-        ("mixer", "w_o", "w"): lambda: _rows(f, f"{p}.attn_output.weight"),
+        ("mixer", "w_o", "w"): lambda: rows(f"{p}.attn_output.weight"),
         ("mixer", "q_norm", "weight"): lambda: _vector(f, f"{p}.attn_q_norm.weight"),
         ("mixer", "k_norm", "weight"): lambda: _vector(f, f"{p}.attn_k_norm.weight"),
         # gated delta net
-        ("mixer", "w_in", "w"): lambda: _gdn_in(f, c, p),
+        ("mixer", "w_in", "w"): lambda: _gdn_in(f, c, fmt, p),
         ("mixer", "conv_w"): lambda: np.ascontiguousarray(_float(f, f"{p}.ssm_conv1d.weight").T),
         ("mixer", "dt_bias"): lambda: _vector(f, f"{p}.ssm_dt.bias"),
         ("mixer", "a"): lambda: _vector(f, f"{p}.ssm_a"),
         ("mixer", "norm"): lambda: _vector(f, f"{p}.ssm_norm.weight"),
-        ("mixer", "w_out", "w"): lambda: _rows(f, f"{p}.ssm_out.weight"),
+        ("mixer", "w_out", "w"): lambda: rows(f"{p}.ssm_out.weight"),
         # MoE
-        ("ffn", "router", "w"): lambda: _rows(f, f"{p}.ffn_gate_inp.weight",
+        ("ffn", "router", "w"): lambda: rows(f"{p}.ffn_gate_inp.weight",
                                               *([f"{p}.ffn_gate_inp_shexp.weight"] if c.shared_expert_ff else [])),
-        ("ffn", "shared", "gate_up", "w"): lambda: _rows(f, f"{p}.ffn_gate_shexp.weight", f"{p}.ffn_up_shexp.weight"),
-        ("ffn", "shared", "down", "w"): lambda: _rows(f, f"{p}.ffn_down_shexp.weight"),
+        ("ffn", "shared", "gate_up", "w"): lambda: rows(f"{p}.ffn_gate_shexp.weight", f"{p}.ffn_up_shexp.weight"),
+        ("ffn", "shared", "down", "w"): lambda: rows(f"{p}.ffn_down_shexp.weight"),
         # dense FFN (qwen35)
-        ("ffn", "gate_up", "w"): lambda: _rows(f, f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"),
-        ("ffn", "down", "w"): lambda: _rows(f, f"{p}.ffn_down.weight"),
+        ("ffn", "gate_up", "w"): lambda: rows(f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"),
+        ("ffn", "down", "w"): lambda: rows(f"{p}.ffn_down.weight"),
     }
     return simple[rest]
 
 
-def _gdn_in(f: GGUFFile, c: ModelConfig, p: str) -> np.ndarray:
-    qkv_z = _rows(f, f"{p}.attn_qkv.weight", f"{p}.attn_gate.weight")
+def _gdn_in(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, p: str) -> tuple[QTensor, ...]:
+    sources = [_source(f, f"{p}.attn_qkv.weight"), _source(f, f"{p}.attn_gate.weight")]
     if f"{p}.ssm_ba.weight" in f.tensors:
-        ba = list(_split_ba(f, f"{p}.ssm_ba.weight", c))
+        sources += _split_ba(f, f"{p}.ssm_ba.weight", c)
     else:
-        ba = [_float(f, f"{p}.ssm_beta.weight"), _float(f, f"{p}.ssm_alpha.weight")]
-    return np.concatenate([qkv_z, np.concatenate(ba, axis=0).T], axis=1)
+        sources += [_source(f, f"{p}.ssm_beta.weight"), _source(f, f"{p}.ssm_alpha.weight")]
+    return _matrix(fmt, *sources)
 
 
 def _check_supported(f: GGUFFile) -> None:
@@ -198,9 +219,22 @@ def _check_supported(f: GGUFFile) -> None:
                         "reconvert with a current llama.cpp")
 
 
-def _fill(f: GGUFFile, make: Callable[[], nnx.Module], source: Callable[[tuple], Callable[[], np.ndarray]],
+def _logical(value) -> str:
+    """What a param value is, for shape checks: a Linear's QTensor parts as [rows, cols], a QTensor
+    by its logical shape, an array by dtype and shape."""
+    if isinstance(value, tuple) and value and all(isinstance(p, QTensor) for p in value):
+        return f"matrix{[sum(p.rows for p in value), value[0].cols]}"
+    if isinstance(value, QTensor):
+        return f"tensor{list(value.shape)}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_logical(v)}" for k, v in sorted(value.items())) + "}"
+    return f"{np.dtype(value.dtype)}{list(value.shape)}"
+
+
+def _fill(f: GGUFFile, make: Callable[[], nnx.Module], source: Callable[[tuple], Callable[[], Any]],
           progress: bool):
-    """eval_shape skeleton of `make()`, every param loaded through `source(path)`, merged."""
+    """eval_shape skeleton of `make()`, every param loaded through `source(path)`, merged. A value's
+    storage (QTensor parts and layouts) may differ from the skeleton's; its logical shape may not."""
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
     flat = list(nnx.to_flat_state(abstract_state))
     it = flat
@@ -214,81 +248,83 @@ def _fill(f: GGUFFile, make: Callable[[], nnx.Module], source: Callable[[tuple],
             load = source(tuple(path))
         except KeyError:
             raise GGUFError(f"{f.source}: no GGUF source for parameter {where}") from None
-        arr = load()
-        want = var.get_value()
-        if tuple(arr.shape) != tuple(want.shape) or arr.dtype != want.dtype:
-            raise GGUFError(f"{f.source}: parameter {where} loaded as {arr.dtype}{list(arr.shape)}, "
-                            f"expected {want.dtype}{list(want.shape)}")
-        filled.append((path, var.replace(jnp.asarray(arr))))
+        value = load()
+        if not isinstance(value, (tuple, QTensor)):
+            value = jnp.asarray(value)
+        got, want = _logical(value), _logical(var.get_value())
+        if got != want:
+            raise GGUFError(f"{f.source}: parameter {where} loaded as {got}, expected {want}")
+        filled.append((path, var.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
 def load_model(f: GGUFFile, config: ModelConfig, progress: bool | None = None,
-               expert_mode: str = "grouped", residency=None) -> Transformer:
+               expert_mode: str = "grouped", residency=None, fmt: MatrixFormat = MatrixFormat()) -> Transformer:
     """Build the Transformer (trunk) of an open GGUF. progress=None shows a tqdm bar for large files.
     residency: a `sharpi_jax.experts.residency.Residency`: routed experts go into its device slots
-    (only the resident ones are read) instead of whole [E, ...] stacks."""
+    (only the resident ones are read) instead of whole [E, ...] stacks. fmt: how matrices are held."""
     _check_supported(f)
     if progress is None:
         progress = f.file_size >= PROGRESS_MIN_BYTES
     qtypes = _qtypes(f, config)
     memo: dict = {}
-    source = lambda path: _param_source(f, config, path, memo)  # noqa: E731
+    source = lambda path: _param_source(f, config, fmt, path, memo)  # noqa: E731
     if residency is not None:
         source = residency.wrap_source(source)
     return _fill(f, lambda: Transformer(config, qtypes, expert_mode, residency), source, progress)
 
 
-def load_block(f: GGUFFile, config: ModelConfig, layer: int, expert_mode: str = "grouped") -> Block:
+def load_block(f: GGUFFile, config: ModelConfig, layer: int, expert_mode: str = "grouped",
+               fmt: MatrixFormat = MatrixFormat()) -> Block:
     """One decoder block `blk.{layer}` with the trunk's layout and conventions, e.g. the MTP block's
     attention + FFN (`layer = config.mtp_layer`; its `nextn.*` extras are not part of a Block)."""
     _check_supported(f)
     eq = expert_qtypes(f, layer) if config.is_moe else None
     memo: dict = {}
     return _fill(f, lambda: Block(config, layer, eq, expert_mode),
-                 lambda path: _block_source(f, config, layer, path, memo), False)
+                 lambda path: _block_source(f, config, fmt, layer, path, memo), False)
 
 
-def _mtp_source(f: GGUFFile, c: ModelConfig, trunk: Transformer | None, path: tuple, memo: dict
-                ) -> Callable[[], np.ndarray]:
-    """The loader of one MTPHead param (spec 2.6: nextn.* extras with their trunk fallbacks)."""
+def _mtp_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, trunk: Transformer | None, path: tuple,
+                memo: dict) -> Callable[[], Any]:
+    """The loader of one MTPHead param (nextn.* extras with their trunk fallbacks: embedding and LM
+    head are the trunk's unless the file has nextn.embed_tokens / nextn.shared_head_head)."""
     p = f"blk.{c.mtp_layer}"
     own_embed, own_head = f"{p}.nextn.embed_tokens.weight", f"{p}.nextn.shared_head_head.weight"
-    if path == ("embed", "raw"):
+    if path == ("embed", "table"):
         if own_embed in f.tensors:
-            return lambda: f.raw(own_embed)
-        return (lambda: trunk.embed.raw[...]) if trunk is not None else (lambda: f.raw("token_embd.weight"))
+            return lambda: _embedding(f, own_embed)
+        if trunk is not None:
+            return lambda: trunk.embed.table.get_value()  # the same arrays: no second copy
+        return lambda: _embedding(f, "token_embd.weight")
     if path == ("lm_head", "w"):
         if own_head in f.tensors:
-            return lambda: _rows(f, own_head)
+            return lambda: _rows(f, fmt, own_head)
         if trunk is not None:
-            return lambda: trunk.lm_head.w[...]  # the same array: no second copy of the LM head
-        return lambda: _rows(f, "output.weight" if "output.weight" in f.tensors else "token_embd.weight")
+            return lambda: trunk.lm_head.w.get_value()  # the same arrays: no second copy of the LM head
+        return lambda: _rows(f, fmt, "output.weight" if "output.weight" in f.tensors else "token_embd.weight")
     norm = f"{p}.nextn.shared_head_norm.weight"
     simple = {
         ("enorm", "weight"): lambda: _vector(f, f"{p}.nextn.enorm.weight"),
         ("hnorm", "weight"): lambda: _vector(f, f"{p}.nextn.hnorm.weight"),
-        ("eh_proj", "w"): lambda: _rows(f, f"{p}.nextn.eh_proj.weight"),
+        ("eh_proj", "w"): lambda: _rows(f, fmt, f"{p}.nextn.eh_proj.weight"),
         ("shared_head_norm", "weight"): lambda: _vector(f, norm if norm in f.tensors else "output_norm.weight"),
     }
     if path in simple:
         return simple[path]
     if path[0] != "block":
         raise KeyError(path)
-    return _block_source(f, c, c.mtp_layer, tuple(path[1:]), memo)
+    return _block_source(f, c, fmt, c.mtp_layer, tuple(path[1:]), memo)
 
 
 def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
-             expert_mode: str = "grouped") -> MTPHead:
+             expert_mode: str = "grouped", fmt: MatrixFormat = MatrixFormat()) -> MTPHead:
     """The MTP head of an open GGUF (`config.has_mtp`). With `trunk`, the shared embedding and LM head
     are the trunk's arrays (no copies); without, they are loaded from the file."""
     _check_supported(f)
     if not config.has_mtp:
         raise GGUFError(f"{f.source}: the model has no MTP block (nextn_predict_layers = 0)")
-    p = f"blk.{config.mtp_layer}"
-    embed_name = f"{p}.nextn.embed_tokens.weight"
-    embed_qtype = int(f.tensor(embed_name if embed_name in f.tensors else "token_embd.weight").qtype)
     eq = expert_qtypes(f, config.mtp_layer) if config.is_moe else None
     memo: dict = {}
-    return _fill(f, lambda: MTPHead(config, embed_qtype, eq, expert_mode),
-                 lambda path: _mtp_source(f, config, trunk, path, memo), False)
+    return _fill(f, lambda: MTPHead(config, eq, expert_mode),
+                 lambda path: _mtp_source(f, config, fmt, trunk, path, memo), False)

@@ -31,7 +31,28 @@ from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.runtime.state import DecodeState, Snapshots, init_state
 
-DEFAULT_PREFILL_BUCKETS = (32, 256)
+# Prefill chunk sizes (each compiles once). A 128-token prompt runs as one 128-row chunk, not as a
+# 256-row bucket that would be half padding; see `prefill_plan` for how a prompt is cut.
+DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
+MAX_PADDING_SHARE = 0.25  # a chunk may round up to a bucket when at most this share of it is padding
+
+
+def prefill_plan(n: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """Cut n prompt rows into (bucket, rows) chunks: the smallest bucket that holds the rest when it
+    wastes at most MAX_PADDING_SHARE of its rows (or it is the smallest bucket), else the largest
+    bucket that the rest fills. E.g. buckets (32, 128, 256): 128 -> [128]; 130 -> [128, 32 (2 rows)];
+    200 -> [256 (200 rows)]; 600 -> [256, 256, 128 (88 rows)]."""
+    buckets = sorted(buckets)
+    plan, rest = [], n
+    while rest > 0:
+        fits = [b for b in buckets if b >= rest]
+        if fits and (fits[0] == buckets[0] or rest >= (1 - MAX_PADDING_SHARE) * fits[0]):
+            plan.append((fits[0], rest))
+            break
+        b = max([b for b in buckets if b <= rest], default=buckets[0])
+        plan.append((b, min(b, rest)))
+        rest -= b
+    return plan
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,12 +140,6 @@ class Runtime:
         """A zeroed state for a new sequence."""
         return init_state(self.config, self.max_context)
 
-    def _bucket(self, remaining: int) -> int:
-        big = self.prefill_buckets[-1]
-        if remaining >= big:
-            return big
-        return next(b for b in self.prefill_buckets if b >= remaining)
-
     def prefill(self, state: DecodeState, ids: Sequence[int], start: int = 0, gdn: str = "chunked"):
         """Run prompt ids at positions start.. in bucketed chunks.
 
@@ -138,9 +153,7 @@ class Runtime:
         if start + n > self.max_context:
             raise InputError(f"{start + n} positions exceed max_context = {self.max_context}")
         chunks, off, logits = [], 0, None
-        while off < n:
-            B = self._bucket(n - off)
-            m = min(n - off, B)
+        for B, m in prefill_plan(n, self.prefill_buckets):
             toks = np.zeros(B, np.int32)
             toks[:m] = ids[off:off + m]
             hidden, logits, state, self.cache = self._fns.prefill(self.params, self.cache, state, toks,

@@ -76,14 +76,15 @@ def test_mtp_shares_trunk_arrays():
     """The head uses the trunk's embedding and LM head arrays (no copies) and its own norms/projection."""
     e = engine("tiny-qwen35moe", "F32")
     h = load_mtp(e.gguf, e.config, e.model)
-    assert h.embed.raw[...] is e.model.embed.raw[...]
-    assert h.lm_head.w[...] is e.model.lm_head.w[...]
+    same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+    assert same(h.embed.table.get_value(), e.model.embed.table.get_value())
+    assert same(h.lm_head.w.get_value(), e.model.lm_head.w.get_value())
     p = f"blk.{e.config.mtp_layer}"
     np.testing.assert_array_equal(np.asarray(h.shared_head_norm.weight[...]),
                                   e.gguf.array(f"{p}.nextn.shared_head_norm.weight"))
-    np.testing.assert_array_equal(np.asarray(h.eh_proj.w[...]), e.gguf.array(f"{p}.nextn.eh_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(h.eh_proj.dequantize()), e.gguf.array(f"{p}.nextn.eh_proj.weight"))
     standalone = load_mtp(e.gguf, e.config)  # no trunk: loaded from the file, same values
-    chex.assert_trees_all_equal(np.asarray(standalone.lm_head.w[...]), np.asarray(h.lm_head.w[...]))
+    chex.assert_trees_all_equal(np.asarray(standalone.lm_head.dequantize()), np.asarray(h.lm_head.dequantize()))
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen35moe", "tiny-qwen35"])

@@ -1,0 +1,107 @@
+"""Kernel backends through `sj.load(kernels=..., repack=...)` on a fixture model: every matrix in its GGUF
+encoding, the Pallas kernels reachable (interpret mode on CPU), and what each backend promises."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import sharpi_jax as sj
+from sharpi_jax.errors import InputError
+from sharpi_jax.model.footprint import decode_floor_bytes, decode_read_bytes, held_bytes
+from sharpi_jax.quant import QTensor
+from tests.conftest import fixture_path, load_references
+
+NAME, VARIANT = "tiny-qwen35moe", "Q8_0"
+
+
+def _load(**kw):
+    return sj.load(fixture_path(NAME, f"{NAME}-{VARIANT}.gguf"), max_context=64, prefill_buckets=(32,), **kw)
+
+
+def _prompt(n=12):
+    return load_references(NAME)["variants"][f"{NAME}-{VARIANT}"]["tokens"][0][:n]
+
+
+def rel_l2(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_matrices_keep_their_gguf_encoding():
+    e = _load(kernels="xla")
+    f = e.gguf
+    held = held_bytes(e.model)
+    assert set(k for k in held if k.startswith("matrix:")) <= {"matrix:soa", "matrix:blocks", "matrix:float_t"}
+    # the LM head is the file's output.weight bytes (Q8_0 here), and the embedding its token_embd bytes
+    (head,) = e.model.lm_head.parts()
+    assert head.qtype == int(f.tensor("output.weight").qtype) and head.nbytes == f.tensor("output.weight").nbytes
+    emb = e.model.embed.table.get_value()
+    assert isinstance(emb, QTensor) and emb.nbytes == f.tensor("token_embd.weight").nbytes
+    # nothing is held twice: matrices + embedding + experts = their bytes in the file (+ float vectors)
+    matrices = sum(v for k, v in held.items() if k.startswith("matrix:"))
+    trunk_matrices = sum(t.nbytes for n, t in f.tensors.items()
+                         if len(t.shape) == 2 and n != "token_embd.weight" and not n.startswith(f"blk.{e.config.mtp_layer}.")
+                         and "_exps." not in n and "ssm_conv1d" not in n)
+    assert matrices == trunk_matrices
+    floor, ours = decode_floor_bytes(f, e.config), decode_read_bytes(e.model, f, e.config)
+    assert floor <= ours <= floor * 1.05  # F32 norms / conv vectors are the only difference
+
+
+def test_int8_repack_is_explicit_and_stated():
+    e = _load(kernels="xla", repack="int8")
+    held = held_bytes(e.model)
+    assert "matrix:int8" in held and "matrix:soa" not in held and "matrix:blocks" not in held
+    (head,) = e.model.lm_head.parts()
+    assert head.layout == "int8" and head.nbytes == head.rows * head.cols + 4 * head.rows
+    ref = _load(kernels="reference")
+    toks = _prompt(24)
+    # weights and activations rounded to 1/254 of their row maximum: a bounded, stated loss
+    assert rel_l2(e.logits(toks), ref.logits(toks)) <= 2e-2
+
+
+def test_reference_and_xla_backends_agree():
+    toks = _prompt(24)
+    a, b = _load(kernels="reference").logits(toks), _load(kernels="xla").logits(toks)
+    assert rel_l2(a, b) <= 1e-6
+
+
+def test_pallas_backend_runs_the_kernels_and_matches_the_reference():
+    """kernels='pallas': dense matrices through the grouped-matmul kernel (one group), routed experts
+    through the grouped kernel + weighted reduce; interpret mode on CPU."""
+    e = _load(kernels="pallas")
+    assert e.expert_mode == "pallas" and {p.layout for p in e.model.lm_head.parts()} == {"kernel"}
+    toks = _prompt(10)
+    ref = _load(kernels="reference")
+    assert rel_l2(e.logits(toks), ref.logits(toks)) <= 1e-6
+    out = e.generate(toks, max_new_tokens=3, speculative="mtp", draft_tokens=2)
+    assert out.tokens == ref.generate(toks, max_new_tokens=3).tokens
+
+
+def test_pallas_decode_step_lowers_for_triton(monkeypatch):
+    """The whole jitted decode step of kernels='pallas' lowers for CUDA with Triton kernels (what a GPU
+    runs); tracing as if on a GPU switches the kernels out of interpret mode."""
+    e = _load(kernels="pallas")
+    rt = e.runtime
+    state = rt.new_state()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    try:
+        lowered = rt._fns.decode.trace(rt.params, rt.cache, state, np.int32(1), np.int32(0)).lower(
+            lowering_platforms=("cuda",))
+    except Exception as err:  # pragma: no cover - depends on the jaxlib build
+        if "cuda" in str(err).lower() and "platform" in str(err).lower():
+            pytest.skip(f"this jaxlib cannot lower for CUDA without a GPU: {err}")
+        raise
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text and "grouped_matmul_q8_0" in text and "weighted_reduce" in text
+
+
+def test_bad_backend_options_are_clear_errors():
+    with pytest.raises(InputError, match="kernels must be one of"):
+        _load(kernels="cuda")
+    with pytest.raises(InputError, match="repack"):
+        _load(repack="int4")
+    with pytest.raises(InputError, match="does not combine"):
+        _load(kernels="pallas", repack="int8")
+    with pytest.raises(InputError, match="expert_budget"):
+        _load(kernels="pallas", expert_budget="50%")
