@@ -51,6 +51,13 @@ def test_reference_matches_float64_sum():
     np.testing.assert_allclose(np.asarray(_ref(y, w, s)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_bad_tiles_raise_value_error():
+    """A plain ValueError naming the tiles (pallas_kernels does not import sharpi_jax's errors)."""
+    y, w, s = _inputs(np.random.default_rng(3), 4, 2, 32)
+    with pytest.raises(ValueError, match="tiles must be powers of two: block_rows=3"):
+        weighted_reduce(y, w, s, block_rows=3, interpret=True)
+
+
 def test_triton_lowering_on_cpu():
     rng = np.random.default_rng(2)
     y, w, s = _inputs(rng, 10, 8, 256)
