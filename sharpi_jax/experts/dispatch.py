@@ -410,7 +410,15 @@ def routed_experts(
         raise InputError(f"shapes: u {u.shape}, sel {sel.shape}, w {w.shape}")
     u = u.astype(jnp.float32)
     if mode == "pallas":
-        packed = experts if isinstance(experts, PackedExpertWeights) else pack_expert_weights(experts)
+        if isinstance(experts, ExpertWeights):
+            experts.validate()
+            if u.shape[1] != experts.d_model:
+                raise InputError(f"u has width {u.shape[1]}, experts have d_model {experts.d_model}")
+            packed = pack_expert_weights(experts)
+        elif isinstance(experts, PackedExpertWeights):
+            packed = experts
+        else:
+            raise InputError(f"mode 'pallas' takes ExpertWeights or PackedExpertWeights, got {type(experts).__name__}")
         interpret = jax.default_backend() == "cpu" if interpret is None else interpret
         y, stats = _pallas(u, sel, packed, block_m, block_n, interpret)
         out = wr_kernel.weighted_reduce(y, w.astype(jnp.float32), interpret=interpret)

@@ -272,6 +272,12 @@ def test_bad_inputs_raise():
         with pytest.raises(InputError, match=msg):
             dp.routed_experts(args["u"], args["sel"], args["w"], args["experts"], kw.get("mode", "grouped"),
                               **{k: v for k, v in kw.items() if k in ("row_kernel", "row_tile")})
+    bad = ExpertWeights(ew.gate, ew.up, ew.down[:, :, :128])
+    for kw, msg in ((dict(experts=bad), r"expert down \(f32, gguf\)"), (dict(u=u[:, :128]), "u has width 128"),
+                    (dict(experts={"gate": ew.gate}), "'pallas' takes ExpertWeights or PackedExpertWeights, got dict")):
+        args = dict(u=u, experts=ew) | kw
+        with pytest.raises(InputError, match=msg):  # checked before the kernel path packs anything
+            dp.routed_experts(args["u"], sel, w, args["experts"], "pallas", interpret=True)
     q6 = ExpertWeights(*(np.zeros((E, F, D // 256 * 210), np.uint8) for _ in range(2)),
                        np.zeros((E, D, F // 256 * 210), np.uint8), "q6_k", "q6_k", "q6_k")
     with pytest.raises(UnsupportedQuantError, match="kernel reads .* not q6_k"):
