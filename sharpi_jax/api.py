@@ -49,7 +49,7 @@ class Engine:
     def __init__(self, path: str | os.PathLike[str], max_context: int = 4096, dtype: Any = jnp.float32, *,
                  prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, progress: bool | None = None,
                  expert_mode: str = "grouped", expert_budget: int | None = None, expert_policy: str = "frequency",
-                 kernels: str = "auto", repack: str | None = None, **residency_options: Any):
+                 kernels: str = "auto", repack: str | None = "auto", **residency_options: Any):
         _check_dtype(dtype)
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise InputError(f"max_context must be a positive integer, got {max_context!r}")
@@ -212,8 +212,10 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     ("grouped" | "per_token" routed-expert dispatch; bitwise equal), expert_budget (routed-expert bytes
     kept on the device: an int, "6GiB", or a share like "25%"; None: all) and expert_policy ("static" |
     "frequency" | "lru" | "slru"), kernels ("auto" | "xla" | "pallas" | "reference": the matmul backend,
-    "auto" = Pallas on a GPU, XLA elsewhere; see `sharpi_jax.quant.matmul`), repack (None: every matrix
-    in its GGUF encoding; "int8": XLA:CPU int8 repacking of quantized matrices, lossy, 1 B/weight),
+    "auto" = Pallas on a GPU, XLA elsewhere; see `sharpi_jax.quant.matmul`), repack ("auto": on XLA:CPU,
+    quantized matrices of >= 4M weights are repacked to int8 rows (lossy, 1 B/weight: the fast CPU
+    path for an LM head), smaller ones keep their GGUF encoding; None: every matrix in its GGUF
+    encoding, exact; "int8": every quantized matrix repacked),
     plus the residency options of `sharpi_jax.experts.residency.configure`
     (device_budget, expert_counts, ...).
     """

@@ -1,22 +1,60 @@
-"""Shared pytest fixtures: where the reference data in ../shared/fixtures lives."""
+"""Shared pytest fixtures: where the reference data in ../shared/fixtures lives.
+
+Outside CI a missing fixture skips the tests that need it, with its path as the reason. Under CI
+(environment CI=true, as .ci/run and hosted runners set it) the reference comparisons are the point of
+the run: a missing fixtures directory stops the session before any test runs, and a missing fixture
+file fails its test. SHARPI_FIXTURES=DIR points the tests at another fixtures directory.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
+FIXTURES = Path(os.environ.get("SHARPI_FIXTURES") or REPO_ROOT.parent / "shared" / "fixtures").resolve()
+# The fixture sets the tests read (see FIXTURES/README.md).
+FIXTURE_SETS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next", "quant-zoo")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def missing_fixtures_message() -> str | None:
+    """None when every fixture set is present, else what is missing and where it was looked for."""
+    if not FIXTURES.is_dir():
+        missing = f"the directory {FIXTURES} does not exist"
+    else:
+        absent = [s for s in FIXTURE_SETS if not (FIXTURES / s).is_dir()]
+        if not absent:
+            return None
+        missing = f"{FIXTURES} lacks {', '.join(absent)}"
+    return (f"reference fixtures missing: {missing}. They are required under CI=true (every comparison with "
+            f"transformers and llama.cpp needs them): put the shared fixtures at ../shared/fixtures beside "
+            f"the repo, or point SHARPI_FIXTURES at them.")
+
+
+def pytest_sessionstart(session):
+    """Under CI, no fixtures is a failed run with a clear message, not a run of skips."""
+    msg = missing_fixtures_message() if in_ci() else None
+    if msg:
+        pytest.exit(msg, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def fixture_path(*parts: str) -> Path:
-    """Path under ../shared/fixtures; skips the calling test with a clear reason if it is absent."""
+    """Path under the fixtures directory. If it is absent: fails the calling test under CI, else skips
+    it with a clear reason."""
     p = FIXTURES.joinpath(*parts)
     if not p.exists():
-        pytest.skip(f"reference fixture {p} is absent (expected ../shared/fixtures beside the repo)")
+        msg = f"reference fixture {p} is absent (expected ../shared/fixtures beside the repo)"
+        if in_ci():
+            pytest.fail(msg + "; required under CI=true", pytrace=False)
+        pytest.skip(msg)
     return p
 
 
@@ -48,10 +86,3 @@ def _release_compiled_code():
     fixture_engine.cache_clear()
     jax.clear_caches()
     gc.collect()
-
-
-@pytest.fixture(scope="session")
-def fixtures_dir() -> Path:
-    if not FIXTURES.exists():
-        pytest.skip(f"reference fixtures directory {FIXTURES} is absent")
-    return FIXTURES

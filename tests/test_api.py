@@ -1,36 +1,31 @@
-"""The research API on the fixtures: greedy continuations vs transformers, outputs, bad input."""
+"""The research API on the fixtures: greedy continuations vs transformers, outputs, EOS and context
+stops, bad input."""
 
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
+import shutil
 
+import gguf
 import numpy as np
 import pytest
 
 import sharpi_jax as sj
+from sharpi_jax.assets import DEFAULT_MODEL
 from sharpi_jax.errors import InputError, SharpiError
+from sharpi_jax.runtime.sampling import SamplingParams
+from sharpi_jax.runtime.speculative import generate_mtp
+from tests.conftest import fixture_engine, fixture_path, load_references
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 ARCHS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
 MAX_CONTEXT = 512
 
 
-def _need(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"reference fixture {path} is absent (expected ../shared/fixtures beside the repo)")
-    return path
-
-
-@functools.lru_cache(maxsize=None)
 def engine(name: str, variant: str = "F32"):
-    return sj.load(_need(FIXTURES / name / f"{name}-{variant}.gguf"), max_context=MAX_CONTEXT)
+    return fixture_engine(name, variant, MAX_CONTEXT)
 
 
-@functools.lru_cache(maxsize=None)
-def references(name: str) -> dict:
-    return json.loads(_need(FIXTURES / name / "references.json").read_text())
+references = load_references
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -61,7 +56,7 @@ def test_generate_text_prompt_and_stats():
     assert e.generate(prompt, max_new_tokens=0).tokens == []
 
 
-def test_stops_on_eos_and_context():
+def test_stops_on_context():
     name = "tiny-qwen35moe"
     e = engine(name)
     eos = e.tokenizer.eos_id
@@ -72,11 +67,74 @@ def test_stops_on_eos_and_context():
     long_prompt = (prompt * 2)[: MAX_CONTEXT - 5]
     out = e.generate(long_prompt, max_new_tokens=20, stop_on_eos=False)
     assert out.stats["stop_reason"] == "max_context" and len(out.tokens) == 6
-    # Force an EOS: a prompt whose greedy next token is EOS is not guaranteed, so check the rule directly.
-    out = e.generate(prompt[:5], max_new_tokens=48)
-    if eos in out.tokens:
-        assert out.tokens[-1] == eos and out.stats["stop_reason"] == "eos"
-        assert out.tokens.count(eos) == 1
+
+
+# ----- EOS stops through engine.generate, on the embedded default model (no fixtures needed) -----
+
+@functools.lru_cache(maxsize=None)
+def default_engine():
+    return sj.load(DEFAULT_MODEL, max_context=256)
+
+
+def _check_eos_stop(e, prompt, full: list[int], eos: int, **kw):
+    """`full` is a stop_on_eos=False run whose first EOS is at index i > 0: generate (plain, MTP batched
+    and sequential verify) returns full[:i + 1], stops with "eos", and its text leaves the EOS out."""
+    i = full.index(eos)
+    assert i > 0
+    runs = {"plain": {}, **{f"mtp-{v}": dict(speculative="mtp", draft_tokens=3, verify=v)
+                            for v in ("batched", "sequential")}}
+    for what, extra in runs.items():
+        out = e.generate(prompt, max_new_tokens=len(full), **kw, **extra)
+        assert out.tokens == full[: i + 1], what
+        assert out.stats["stop_reason"] == "eos" and out.stats["generated_tokens"] == i + 1, (what, out.stats)
+        assert out.text == e.tokenizer.decode(full[:i]), what
+    return i
+
+
+def test_eos_produced_by_the_model_stops_generate():
+    """The default model was trained with EOS between files: after a file's closing `main()` line it
+    samples EOS (p ~ 0.3 at that step). The first seed whose sampled run contains an EOS: generation
+    stops right after it, with and without MTP."""
+    e = default_engine()
+    eos = e.tokenizer.eos_id
+    assert eos in e.tokenizer.eog_ids
+    prompt = 'if __name__ == "__main__":\n    main()'
+    sampling = dict(temperature=1.0, top_k=2)
+    for seed in range(16):
+        full = e.generate(prompt, max_new_tokens=12, stop_on_eos=False, seed=seed, **sampling)
+        if eos in full.tokens[1:]:
+            break
+    else:
+        pytest.fail("no seed in 0..15 sampled an EOS after the prompt")
+    i = _check_eos_stop(e, prompt, full.tokens, eos, seed=seed, **sampling)
+    assert full.stats["stop_reason"] == "max_new_tokens" and len(full.tokens) > i + 1  # it went on without the stop
+
+
+def test_eos_inside_accepted_drafts_stops_generate(tmp_path):
+    """A constructed case for greedy decoding: a copy of the default model whose GGUF metadata names as
+    EOS a token that greedy MTP decoding emits as an accepted draft (not the pass's last token), at its
+    first occurrence. engine.generate (plain, MTP batched and sequential) stops exactly there."""
+    e = default_engine()
+    prompt = e.tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n")
+    trace: list = []
+    out, _ = generate_mtp(e.runtime, e.mtp, prompt, 40, SamplingParams(), (), 3, "batched", trace=trace)
+    emitted, pos = [], 1  # token 0 comes from the prefill; a pass emits its accepted drafts, then one more
+    for t in trace:
+        emitted += range(pos, pos + t["accepted"])
+        pos += t["accepted"] + 1
+    i = next((j for j in emitted if j >= 2 and out[j] not in out[:j]), None)
+    assert i is not None, f"no first-occurrence token among the accepted drafts {emitted} of {out}"
+    patched = tmp_path / "default-eos.gguf"
+    shutil.copyfile(DEFAULT_MODEL, patched)
+    reader = gguf.GGUFReader(patched, "r+")
+    field = reader.fields["tokenizer.ggml.eos_token_id"]
+    field.parts[field.data[0]][0] = out[i]
+    reader.data.flush()
+    del reader
+    p = sj.load(patched, max_context=256)
+    assert p.tokenizer.eos_id == out[i] and out[i] in p.tokenizer.eog_ids
+    assert p.generate(prompt, max_new_tokens=40, stop_on_eos=False).tokens == out  # only the EOS id changed
+    assert _check_eos_stop(p, prompt, out, out[i]) == i
 
 
 def test_bad_input():
@@ -103,9 +161,9 @@ def test_bad_input():
         with pytest.raises(InputError):
             e.generate([1, 2], **kw)
     with pytest.raises(InputError):
-        sj.load(FIXTURES / "tiny-qwen35moe" / "tiny-qwen35moe-F32.gguf", max_context=0)
+        sj.load(fixture_path("tiny-qwen35moe", "tiny-qwen35moe-F32.gguf"), max_context=0)
     with pytest.raises(InputError, match="float32"):
-        sj.load(FIXTURES / "tiny-qwen35moe" / "tiny-qwen35moe-F32.gguf", dtype="bfloat16")
+        sj.load(fixture_path("tiny-qwen35moe", "tiny-qwen35moe-F32.gguf"), dtype="bfloat16")
 
 
 def test_load_default_model():

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -48,6 +49,7 @@ from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import quant_blocks as qb
 from pallas_kernels.weighted_reduce import kernel as wr_kernel
 from pallas_kernels.weighted_reduce import reference as wr_reference
+from sharpi_jax.errors import InputError, UnsupportedQuantError
 from sharpi_jax.experts.expert_weights import ExpertWeights
 
 MODES = ("per_token", "grouped", "pallas")
@@ -66,6 +68,7 @@ __all__ = [
     "dispatch_stats",
     "expert_ffn",
     "pack_expert_weights",
+    "read_bytes",
     "routed_experts",
     "weighted_reduce",
 ]
@@ -183,27 +186,68 @@ def row_tiles(n_rows: int, row_tile: int | None = None) -> tuple[int, ...]:
     return tuple(sorted({min(t, cap) for t in ROW_TILE_LADDER}))
 
 
+_MIB = 1 << 20
+
+
+def _expert_bytes(weights: Any) -> int | None:
+    """Bytes one expert read takes from `weights` (a pytree of arrays with the expert on axis 0): one
+    index along axis 0 of every leaf, in the leaves' own storage (GGUF blocks, SoA fields, the kernel
+    layout). Static: shapes and dtypes only. None for a duck-typed expert source that is no pytree of
+    arrays (residency's two-stack view): its reads are counted, not its bytes."""
+    leaves = jax.tree.leaves(weights)
+    if not leaves or not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves):
+        return None
+    return sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize for a in leaves)
+
+
+def _no_bytes(per_read: int | None) -> jax.Array | None:
+    return None if per_read is None else jnp.zeros(2, jnp.int32)
+
+
+def _add_bytes(counter: jax.Array | None, n_bytes: int | None) -> jax.Array | None:
+    """counter int32[2] = (MiB, bytes below a MiB) plus a static n_bytes: exact up to 2**51 bytes with
+    32-bit integers (one int32 of bytes wraps at 2 GiB: 256 expert reads of a 35B-A3B Q4_K layer)."""
+    if counter is None or n_bytes is None:
+        return counter
+    mib = counter[0] + n_bytes // _MIB
+    rest = counter[1] + n_bytes % _MIB
+    return jnp.stack([mib + rest // _MIB, rest % _MIB])
+
+
+def _counters(loads: jax.Array, read: jax.Array | None) -> dict[str, jax.Array]:
+    """The `with_stats` dict: expert reads executed and, where known, the bytes they read."""
+    return {"expert_loads": loads} if read is None else {"expert_loads": loads, "expert_bytes": read}
+
+
+def read_bytes(stats: dict[str, Any]) -> int:
+    """The expert weight bytes a `routed_experts(..., with_stats=True)` call read, as a Python int."""
+    mib, rest = (int(v) for v in np.asarray(stats["expert_bytes"]))
+    return mib * _MIB + rest
+
+
 def _per_token(u, sel, experts: ExpertWeights, row_kernel: str):
-    """Reference: one (row, rank) pair at a time, in (i, j) order; returns (Y [N, k, D], loads)."""
+    """Reference: one (row, rank) pair at a time, in (i, j) order; returns (Y [N, k, D], counters)."""
     n, k = sel.shape
     d = u.shape[1]
     flat = sel.reshape(n * k).astype(jnp.int32)
     rows = 1 if row_kernel == "gemv" else 2
+    per_read = _expert_bytes(experts)
 
-    def step(loads, t):
+    def step(carry, t):
+        loads, read = carry
         x = jax.lax.dynamic_index_in_dim(u, t // k, keepdims=True)  # [1, D]
         if rows == 2:
             x = jnp.concatenate([x, jnp.zeros_like(x)])  # pad: every product has M >= 2
         mats, orders = _load_expert(experts, flat[t])
         y = expert_ffn(x, *mats, orders)
-        return loads + 1, y[0]
+        return (loads + 1, _add_bytes(read, per_read)), y[0]
 
-    loads, ys = jax.lax.scan(step, jnp.int32(0), jnp.arange(n * k, dtype=jnp.int32))
-    return ys.reshape(n, k, d), loads
+    (loads, read), ys = jax.lax.scan(step, (jnp.int32(0), _no_bytes(per_read)), jnp.arange(n * k, dtype=jnp.int32))
+    return ys.reshape(n, k, d), _counters(loads, read)
 
 
 def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
-    """Visit each used expert once; apply it to its bucket in tiles; returns (Y [N, k, D], loads).
+    """Visit each used expert once; apply it to its bucket in tiles; returns (Y [N, k, D], counters).
 
     A bucket of c rows is cut into chunks; each chunk takes the smallest tile in `tiles` that holds
     the rest of the bucket (or the largest tile) and writes a full tile back. The rows a tile writes
@@ -220,9 +264,10 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
     # dynamic_slice would clamp its start and shift the rows).
     xs = jnp.concatenate([u[b.token], jnp.zeros((r_max, d), u.dtype)])
     ys = jnp.zeros((t + r_max, d), jnp.float32)
+    per_read = _expert_bytes(experts)
 
     def per_expert(ui, carry):
-        ys, loads = carry
+        ys, loads, read = carry
         e = b.used[ui]
         mats, orders = _load_expert(experts, e)  # read + dequantized once per batch
 
@@ -242,10 +287,10 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
             return ys, off + step, rest - step
 
         ys, _, _ = jax.lax.while_loop(lambda c: c[2] > 0, chunk, (ys, b.starts[e], b.counts[e]))
-        return ys, loads + 1
+        return ys, loads + 1, _add_bytes(read, per_read)
 
-    ys, loads = jax.lax.fori_loop(0, b.n_used, per_expert, (ys, jnp.int32(0)))
-    return ys[b.inv_order].reshape(n, k, d), loads
+    ys, loads, read = jax.lax.fori_loop(0, b.n_used, per_expert, (ys, jnp.int32(0), _no_bytes(per_read)))
+    return ys[b.inv_order].reshape(n, k, d), _counters(loads, read)
 
 
 # ----------------------------------------------------------------------------- pallas path
@@ -283,7 +328,7 @@ def pack_expert_weights(experts: ExpertWeights) -> PackedExpertWeights:
     f, d = experts.d_ff, experts.d_model
     for q in (experts.gate_qtype, experts.up_qtype, experts.down_qtype):
         if q not in gm.WEIGHT_FIELDS:
-            raise NotImplementedError(f"the grouped-matmul kernel reads f32/f16/q8_0/q4_k, not {q}")
+            raise UnsupportedQuantError(f"the grouped-matmul kernel reads f32/f16/q8_0/q4_k experts, not {q}")
 
     def pack(m, qtype, n_cols):
         if isinstance(m, dict):  # SoA layout
@@ -311,10 +356,13 @@ def _pallas(u, sel, packed: PackedExpertWeights, block_m: int, block_n: int, int
     g = mm(x, packed.gate, layout.tile_group, qtype=packed.gate_qtype)
     up = mm(x, packed.up, layout.tile_group, qtype=packed.up_qtype)
     y = mm(jax.nn.silu(g) * up, packed.down, layout.tile_group, qtype=packed.down_qtype)
-    # Each used row tile reads its expert's matrices once: one load per unique expert as long as no
-    # bucket exceeds block_m rows (verify batches), more for heavily shared experts in a prefill.
+    # Each used row tile reads its expert's three matrices once (its programs cover every output
+    # column; unused tiles read nothing): one load per unique expert as long as no bucket exceeds
+    # block_m rows (verify batches), more for heavily shared experts in a prefill.
     loads = (layout.tile_group >= 0).sum().astype(jnp.int32)
-    return gm.gather_rows(y, layout).reshape(n, k, d), loads
+    per_read = _expert_bytes((packed.gate, packed.up, packed.down))
+    read = jax.lax.fori_loop(0, loads, lambda _, c: _add_bytes(c, per_read), _no_bytes(per_read))
+    return gm.gather_rows(y, layout).reshape(n, k, d), _counters(loads, read)
 
 
 # ----------------------------------------------------------------------------- public entry
@@ -342,7 +390,9 @@ def routed_experts(
 
     u: float32[N, D] post-attention-normed activations; sel: int32[N, k] top-k ids in rank order;
     w: float32[N, k] renormalised routing weights. Returns float32[N, D] (and, with `with_stats`,
-    {"expert_loads": int32[]}: the number of expert weight reads actually executed).
+    {"expert_loads": int32[], "expert_bytes": int32[2]}: the expert weight reads actually executed,
+    and the bytes they read, each read adding the storage bytes of the expert slices it takes, as
+    (MiB, bytes below a MiB): `read_bytes(stats)` gives the Python int).
 
     mode "per_token" | "grouped" | "pallas"; row_kernel "gemm" | "gemv" (XLA modes; see module doc);
     row_tile: one fixed grouped-gemm tile (>= 2; default: a ladder sized to each bucket, see
@@ -350,34 +400,44 @@ def routed_experts(
     Pallas kernels in interpret mode (default: when the backend is CPU).
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     if row_kernel not in ROW_KERNELS:
-        raise ValueError(f"row_kernel must be one of {ROW_KERNELS}, got {row_kernel!r}")
+        raise InputError(f"row_kernel must be one of {ROW_KERNELS}, got {row_kernel!r}")
+    if sel.ndim != 2:
+        raise InputError(f"shapes: sel must be [N, k], got {sel.shape}")
     n, k = sel.shape
     if u.ndim != 2 or u.shape[0] != n or w.shape != (n, k):
-        raise ValueError(f"shapes: u {u.shape}, sel {sel.shape}, w {w.shape}")
+        raise InputError(f"shapes: u {u.shape}, sel {sel.shape}, w {w.shape}")
     u = u.astype(jnp.float32)
     if mode == "pallas":
-        packed = experts if isinstance(experts, PackedExpertWeights) else pack_expert_weights(experts)
+        if isinstance(experts, ExpertWeights):
+            experts.validate()
+            if u.shape[1] != experts.d_model:
+                raise InputError(f"u has width {u.shape[1]}, experts have d_model {experts.d_model}")
+            packed = pack_expert_weights(experts)
+        elif isinstance(experts, PackedExpertWeights):
+            packed = experts
+        else:
+            raise InputError(f"mode 'pallas' takes ExpertWeights or PackedExpertWeights, got {type(experts).__name__}")
         interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-        y, loads = _pallas(u, sel, packed, block_m, block_n, interpret)
+        y, stats = _pallas(u, sel, packed, block_m, block_n, interpret)
         out = wr_kernel.weighted_reduce(y, w.astype(jnp.float32), interpret=interpret)
-        return (out, {"expert_loads": loads}) if with_stats else out
+        return (out, stats) if with_stats else out
     else:
         if not isinstance(experts, ExpertWeights):
-            raise TypeError(f"mode {mode!r} takes ExpertWeights, got {type(experts).__name__}")
+            raise InputError(f"mode {mode!r} takes ExpertWeights, got {type(experts).__name__}")
         experts.validate()
         if u.shape[1] != experts.d_model:
-            raise ValueError(f"u has width {u.shape[1]}, experts have d_model {experts.d_model}")
+            raise InputError(f"u has width {u.shape[1]}, experts have d_model {experts.d_model}")
         if mode == "per_token":
-            y, loads = _per_token(u, sel, experts, row_kernel)
+            y, stats = _per_token(u, sel, experts, row_kernel)
         else:
             tiles = (1,) if row_kernel == "gemv" else row_tiles(n, row_tile)
             if row_kernel == "gemm" and min(tiles) < 2:
-                raise ValueError("row_kernel='gemm' needs row_tile >= 2 (M = 1 is a different kernel)")
-            y, loads = _grouped(u, sel, experts, tiles)
+                raise InputError("row_kernel='gemm' needs row_tile >= 2 (M = 1 is a different kernel)")
+            y, stats = _grouped(u, sel, experts, tiles)
     out = weighted_reduce(y, w.astype(jnp.float32))
-    return (out, {"expert_loads": loads}) if with_stats else out
+    return (out, stats) if with_stats else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,9 +457,9 @@ class DispatchConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise InputError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.row_kernel not in ROW_KERNELS:
-            raise ValueError(f"row_kernel must be one of {ROW_KERNELS}, got {self.row_kernel!r}")
+            raise InputError(f"row_kernel must be one of {ROW_KERNELS}, got {self.row_kernel!r}")
 
     def __call__(self, u, sel, w, experts, *, with_stats: bool = False):
         """routed_experts(u, sel, w, experts) with this configuration."""

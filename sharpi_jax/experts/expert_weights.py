@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import quant_blocks as qb
+from sharpi_jax.errors import InputError
 
 FLOAT_QTYPES = ("f32", "f16")
 
@@ -47,7 +48,7 @@ def row_bytes(qtype: str, n_cols: int) -> int:
     """Storage bytes of one row of `n_cols` weights."""
     block, size = block_geometry(qtype)
     if n_cols % block:
-        raise ValueError(f"{qtype}: row length {n_cols} is not a multiple of the block size {block}")
+        raise InputError(f"{qtype}: row length {n_cols} is not a multiple of the block size {block}")
     return n_cols // block * size
 
 
@@ -121,9 +122,9 @@ class ExpertWeights:
         )
 
     def validate(self) -> None:
-        """Raises ValueError when shapes and qtypes disagree (works on tracers: shapes only)."""
+        """Raises InputError when shapes and qtypes disagree (works on tracers: shapes only)."""
         if self.layout not in ("gguf", "soa"):
-            raise ValueError(f"layout must be 'gguf' or 'soa', got {self.layout!r}")
+            raise InputError(f"layout must be 'gguf' or 'soa', got {self.layout!r}")
         e, f, d = self.n_expert, self.d_ff, self.d_model
         want = {
             "gate": (self.gate, self.gate_qtype, (e, f), d),
@@ -136,7 +137,7 @@ class ExpertWeights:
                                      jax.ShapeDtypeStruct(lead + (row_bytes(qtype, n_cols),), jnp.uint8))
                 got = {k: (v.shape, v.dtype) for k, v in arr.items()} if isinstance(arr, dict) else None
                 if got != {k: (v.shape, v.dtype) for k, v in ref.items()}:
-                    raise ValueError(f"expert {name} ({qtype}, soa): got {got}, want {ref}")
+                    raise InputError(f"expert {name} ({qtype}, soa): got {got}, want {ref}")
                 continue
             if qtype in FLOAT_QTYPES:
                 shape, ok_dtype = lead + (n_cols,), jnp.issubdtype(arr.dtype, jnp.floating)
@@ -144,7 +145,7 @@ class ExpertWeights:
                 shape, ok_dtype = lead + (row_bytes(qtype, n_cols),), arr.dtype == jnp.uint8
             if isinstance(arr, dict) or tuple(arr.shape) != shape or not ok_dtype:
                 got = {k: v.shape for k, v in arr.items()} if isinstance(arr, dict) else f"{arr.dtype}{list(arr.shape)}"
-                raise ValueError(
+                raise InputError(
                     f"expert {name} ({qtype}, {self.layout}): got {got}, want "
                     f"{'uint8' if qtype not in FLOAT_QTYPES else 'float'}{list(shape)}"
                 )

@@ -7,7 +7,8 @@ tensor's layout, and the layout is chosen once at load by the kernel backend (`w
 | kernels     | float (F32/F16/BF16)            | quantized blocks                                      |
 |-------------|---------------------------------|-------------------------------------------------------|
 | "reference" | f32 dot on the exact values      | dequantize exactly in the step, f32 dot               |
-| "xla"       | f32 dot (BF16: bf16 x bf16 -> f32)| int8 repack, activations quantized per row, int8 dot |
+| "xla"       | f32 dot (BF16: bf16 x bf16 -> f32)| SoA (Q8_0/Q4_K) or blocks, dequantized in the step;  |
+|             |                                  | repack="int8"/"auto": int8 rows, two-plane int8 dot   |
 | "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K); others: dequantize + dot |
 
 "auto" is "pallas" on a GPU and "xla" elsewhere. On CPU the Pallas kernel runs in interpret mode (tests).
@@ -59,7 +60,11 @@ def _block_n(n: int) -> int | None:
     return None
 
 
-REPACKS = (None, "int8")
+REPACKS = (None, "int8", "auto")
+# repack="auto": int8 for quantized matrices of at least this many weights (an LM head, a 35B-A3B
+# layer's attention / GDN projections) on XLA:CPU, where dequantizing them in every step would dominate
+# decode; smaller matrices (and every matrix of a small model) keep their exact GGUF encoding.
+INT8_AUTO_MIN_WEIGHTS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +72,7 @@ class MatrixFormat:
     """How a loader holds model matrices: the resolved kernel backend and an explicit repacking."""
 
     backend: str = "xla"
-    repack: str | None = None
+    repack: str | None = "auto"
 
     def __post_init__(self):
         weight_layout(self.backend, 0, (1, 1), self.repack)  # validates the combination
@@ -82,19 +87,22 @@ def weight_layout(backend: str, qtype: int, shape: tuple[int, ...], repack: str 
     Without `repack` every matrix keeps its GGUF encoding ("soa" is the same bytes split per field).
     repack="int8" (backend "xla" only) re-quantizes quantized matrices to int8 with one scale per row:
     lossy (|error| <= max|row| / 254 per weight), 1 byte per weight, for XLA:CPU's integer dot.
+    repack="auto": "int8" for quantized matrices of >= INT8_AUTO_MIN_WEIGHTS weights on "xla", no
+    repacking otherwise (and on the other backends).
     """
     qt = Q(qtype)
     if backend not in BACKENDS:
         raise InputError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     if repack not in REPACKS:
         raise InputError(f"repack must be one of {REPACKS}, got {repack!r}")
-    if repack is not None and backend != "xla":
+    if repack == "int8" and backend != "xla":
         raise InputError(f"repack={repack!r} is an XLA:CPU layout; it does not combine with kernels={backend!r}")
     if backend == "pallas" and qt in KERNEL_TYPES and pallas_fits(shape):
         return "kernel"
     if qt in FLOAT_TYPES:
         return "float_t"
-    if repack == "int8":
+    n_weights = shape[-2] * shape[-1]
+    if backend == "xla" and (repack == "int8" or (repack == "auto" and n_weights >= INT8_AUTO_MIN_WEIGHTS)):
         return "int8"
     if backend == "xla" and qt in SOA_TYPES:
         return "soa"
@@ -102,8 +110,8 @@ def weight_layout(backend: str, qtype: int, shape: tuple[int, ...], repack: str 
 
 
 def quantize_rows_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-row symmetric int8 quantization of activations (llama.cpp quantizes activations too):
-    x [M, K] -> (q int8 [M, K], s float32 [M, 1]) with x ~= q * s. Row-local, so row-stable."""
+    """Per-row symmetric int8 quantization: x [M, K] -> (q int8 [M, K], s float32 [M, 1]), x ~= q * s
+    with |x - q * s| <= s / 2. Row-local, so row-stable."""
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     inv = jnp.where(amax > 0, jnp.float32(127.0) / jnp.where(amax > 0, amax, 1.0), 0.0)
     q = jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8)
@@ -115,9 +123,17 @@ def _contract_last(x: jax.Array, w: jax.Array, out=None) -> jax.Array:
 
 
 def _matmul_int8(x: jax.Array, data) -> jax.Array:
-    qx, sx = quantize_rows_int8(x)
-    acc = _contract_last(qx, data["q"], jnp.int32)  # exact: |acc| <= 127 * 127 * K < 2^31 for K < 133k
-    return acc.astype(jnp.float32) * (sx * data["s"][:, 0][None, :])
+    """Activations in two int8 planes (x ~= q1 * s1 + q2 * s2, q2 quantizing the residual: error <=
+    max|row| / 64516), stacked as 2M rows of ONE integer dot so the weights are read once; exact int32
+    accumulation (|acc| <= 127 * 127 * K < 2^31 for K < 133k), then elementwise float32 scaling. A
+    single plane would round activations to 1/254 of their row maximum, which outlier channels of real
+    hidden states make coarse; the second plane costs no extra weight traffic."""
+    m = x.shape[0]
+    q1, s1 = quantize_rows_int8(x)
+    q2, s2 = quantize_rows_int8(x - q1.astype(jnp.float32) * s1)
+    acc = _contract_last(jnp.concatenate([q1, q2]), data["q"], jnp.int32).astype(jnp.float32)
+    sw = data["s"][:, 0][None, :]
+    return acc[:m] * (s1 * sw) + acc[m:] * (s2 * sw)
 
 
 def _matmul_kernel(x: jax.Array, w: QTensor, interpret: bool | None) -> jax.Array:

@@ -1,7 +1,9 @@
 """Routed-expert dispatch: the grouped path equals the per-token reference bit for bit.
 
-Every case checks grouped == per_token with `chex.assert_trees_all_equal` on the full [N, D] output,
-no NaN, and the executed expert-load counters (per-token N*k, grouped = unique experts). The fast tier
+Every case checks grouped == per_token bit for bit (`tests.bitwise`) on the full [N, D] output, no NaN,
+and the executed expert-read counters: reads (per-token N*k, grouped = unique experts) and the bytes
+those reads took, against the GGUF block sizes of gguf-py (per-token N*k experts' bytes, grouped the
+unique-expert floor). The fast tier
 samples N in 1..64 (1, 2, 3, 4, 5, 8, 13, 31, 64) with every top-k in 1..8, plus skewed routing and
 unused experts, for F32, Q8_0 and Q4_K weights; the full 64 x 8 grid per qtype is marked `slow`.
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import functools
 
-import chex
 import gguf
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,10 @@ import numpy as np
 import pytest
 from gguf import quants as gq
 
+from sharpi_jax.errors import InputError, SharpiError, UnsupportedQuantError
 from sharpi_jax.experts import dispatch as dp
 from sharpi_jax.experts.expert_weights import ExpertWeights
+from tests.bitwise import assert_bitwise_equal
 
 E, F, D = 16, 256, 256  # Q4_K needs rows of 256 in both directions (down's K is F)
 QTYPES = ("f32", "q8_0", "q4_k")
@@ -43,6 +46,17 @@ def _routing(rng, n, k, *, experts=None, same_for_all=False):
     return jnp.asarray(u), jnp.asarray(sel.astype(np.int32)), jnp.asarray(w)
 
 
+def _gguf_bytes_per_expert(ew: ExpertWeights) -> int:
+    """One expert's bytes in GGUF storage, from gguf-py's block table (independent of ExpertWeights)."""
+    def matrix(qtype, rows, cols):
+        if qtype == "f32":
+            return rows * cols * 4
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype.upper()]]
+        return rows * cols // block * size
+    f, d = ew.d_ff, ew.d_model
+    return matrix(ew.gate_qtype, f, d) + matrix(ew.up_qtype, f, d) + matrix(ew.down_qtype, d, f)
+
+
 def _assert_parity(ew, u, sel, w, row_kernel="gemm", row_tile=None):
     a, sa = dp.routed_experts(u, sel, w, ew, "per_token", row_kernel=row_kernel, with_stats=True)
     b, sb = dp.routed_experts(u, sel, w, ew, "grouped", row_kernel=row_kernel, row_tile=row_tile,
@@ -50,10 +64,13 @@ def _assert_parity(ew, u, sel, w, row_kernel="gemm", row_tile=None):
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == (u.shape[0], D)
     assert not np.isnan(b).any() and not np.isnan(a).any()
-    chex.assert_trees_all_equal(b, a)
+    assert_bitwise_equal(b, a)
     n_unique = len(np.unique(np.asarray(sel)))
     assert int(sa["expert_loads"]) == sel.size
     assert int(sb["expert_loads"]) == n_unique
+    bpe = _gguf_bytes_per_expert(ew)
+    assert dp.read_bytes(sa) == sel.size * bpe
+    assert dp.read_bytes(sb) == n_unique * bpe
     return a
 
 
@@ -98,7 +115,7 @@ def test_repeated_ids_within_a_row(qtype, n):
     a = np.asarray(dp.routed_experts(u, sel, w, _experts(qtype), "per_token"))
     b = np.asarray(dp.routed_experts(u, sel, w, _experts(qtype), "grouped"))
     assert not np.isnan(b).any()
-    chex.assert_trees_all_equal(b, a)
+    assert_bitwise_equal(b, a)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -123,7 +140,7 @@ def test_rows_do_not_depend_on_the_batch():
         full = np.asarray(dp.routed_experts(u, sel, w, ew, mode))
         for i in (0, 4, 8):
             alone = np.asarray(dp.routed_experts(u[i:i + 1], sel[i:i + 1], w[i:i + 1], ew, mode))
-            chex.assert_trees_all_equal(alone[0], full[i])
+            assert_bitwise_equal(alone[0], full[i])
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k"])
@@ -132,8 +149,8 @@ def test_gguf_and_soa_layouts_give_the_same_bits(qtype):
     u, sel, w = _routing(rng, 6, 4)
     soa = _assert_parity(_experts(qtype, "soa"), u, sel, w)
     raw = _assert_parity(_experts(qtype, "gguf"), u, sel, w)
-    chex.assert_trees_all_equal(raw, soa)
-    chex.assert_trees_all_equal(_experts(qtype, "soa").to_gguf().gate, _experts(qtype, "gguf").gate)
+    assert_bitwise_equal(raw, soa)
+    assert_bitwise_equal(_experts(qtype, "soa").to_gguf().gate, _experts(qtype, "gguf").gate)
 
 
 def _silu(x):
@@ -173,11 +190,15 @@ def test_pallas_mode_interpret():
     got, stats = run(u, sel, w, packed, with_stats=True)
     got = np.asarray(got)
     assert not np.isnan(got).any()
-    assert int(stats["expert_loads"]) == len(np.unique(np.asarray(sel)))  # every bucket fits one tile
+    n_unique = len(np.unique(np.asarray(sel)))
+    assert int(stats["expert_loads"]) == n_unique  # every bucket fits one tile
+    # Bytes in the kernel layout: Q4_K with its 6-bit scales unpacked, 148 bytes per 256 weights (qs 128,
+    # d 2, dmin 2, sc 8, mn 8) instead of the GGUF block's 144.
+    assert dp.read_bytes(stats) == n_unique * 3 * (F * D // 256) * 148
     ref = np.asarray(dp.routed_experts(u, sel, w, ew, "per_token"))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     alone = np.asarray(run(u[3:4], sel[3:4], w[3:4], packed))
-    chex.assert_trees_all_equal(alone[0], got[3])
+    assert_bitwise_equal(alone[0], got[3])
 
 
 # ----------------------------------------------------------------------------- bucketing & counters
@@ -220,18 +241,51 @@ def test_bytes_per_expert_is_the_storage_size():
         assert _experts(qtype).bytes_per_expert * E == sum(a.nbytes for a in jax.tree.leaves(_experts(qtype)))
 
 
+def test_bytes_counter_is_exact_past_2_gib():
+    """2800 per-token reads of a 768 KiB f32 expert read 2.05 GiB: past what one int32 of bytes holds."""
+    rng = np.random.default_rng(15)
+    ew = _experts("f32")
+    u, sel, w = _routing(rng, 350, 8)
+    _, stats = dp.routed_experts(u, sel, w, ew, "per_token", with_stats=True)
+    want = 350 * 8 * _gguf_bytes_per_expert(ew)
+    assert want > 2**31 and int(stats["expert_loads"]) == 350 * 8
+    assert dp.read_bytes(stats) == want
+
+
 def test_bad_inputs_raise():
+    """Every bad argument raises InputError (a SharpiError and a ValueError) naming the problem."""
     ew = _experts("f32")
     u, sel, w = _routing(np.random.default_rng(11), 2, 2)
-    with pytest.raises(ValueError, match="mode"):
-        dp.routed_experts(u, sel, w, ew, "dense")
-    with pytest.raises(ValueError, match="row_tile"):
-        dp.routed_experts(u, sel, w, ew, "grouped", row_tile=1)
-    with pytest.raises(ValueError, match="shapes"):
-        dp.routed_experts(u[:1], sel, w, ew)
+    cases = [
+        (dict(mode="dense"), "mode must be one of"),
+        (dict(mode="grouped", row_kernel="fma"), "row_kernel must be one of"),
+        (dict(mode="grouped", row_tile=1), "row_tile >= 2"),
+        (dict(u=u[:1]), r"shapes: u \(1, 256\)"),
+        (dict(w=w[:, :1]), r"shapes: .* w \(2, 1\)"),
+        (dict(sel=sel.reshape(-1)), r"sel must be \[N, k\]"),
+        (dict(u=u[:, :128]), "u has width 128, experts have d_model 256"),
+        (dict(experts=ExpertWeights(ew.gate, ew.up, ew.down[:, :, :128])), r"expert down \(f32, gguf\)"),
+        (dict(experts=dp.pack_expert_weights(ew)), "takes ExpertWeights, got PackedExpertWeights"),
+    ]
+    for kw, msg in cases:
+        args = dict(u=u, sel=sel, w=w, experts=ew) | kw
+        with pytest.raises(InputError, match=msg):
+            dp.routed_experts(args["u"], args["sel"], args["w"], args["experts"], kw.get("mode", "grouped"),
+                              **{k: v for k, v in kw.items() if k in ("row_kernel", "row_tile")})
     bad = ExpertWeights(ew.gate, ew.up, ew.down[:, :, :128])
-    with pytest.raises(ValueError, match="down"):
-        dp.routed_experts(u, sel, w, bad)
+    for kw, msg in ((dict(experts=bad), r"expert down \(f32, gguf\)"), (dict(u=u[:, :128]), "u has width 128"),
+                    (dict(experts={"gate": ew.gate}), "'pallas' takes ExpertWeights or PackedExpertWeights, got dict")):
+        args = dict(u=u, experts=ew) | kw
+        with pytest.raises(InputError, match=msg):  # checked before the kernel path packs anything
+            dp.routed_experts(args["u"], sel, w, args["experts"], "pallas", interpret=True)
+    q6 = ExpertWeights(*(np.zeros((E, F, D // 256 * 210), np.uint8) for _ in range(2)),
+                       np.zeros((E, D, F // 256 * 210), np.uint8), "q6_k", "q6_k", "q6_k")
+    with pytest.raises(UnsupportedQuantError, match="kernel reads .* not q6_k"):
+        dp.routed_experts(u, sel, w, q6, "pallas", interpret=True)
+    for kw in (dict(mode="nope"), dict(row_kernel="fma")):
+        with pytest.raises(InputError, match="must be one of"):
+            dp.DispatchConfig(**kw)
+    assert issubclass(InputError, SharpiError) and issubclass(UnsupportedQuantError, SharpiError)
 
 
 # ----------------------------------------------------------------------------- full grid (slow)
@@ -252,17 +306,13 @@ def test_dispatch_config_is_the_same_call():
     ew = _experts("q8_0")
     u, sel, w = _routing(rng, 6, 3)
     cfg = dp.DispatchConfig(mode="grouped", row_kernel="gemm", row_tile=4)
-    chex.assert_trees_all_equal(np.asarray(cfg(u, sel, w, ew)),
-                                np.asarray(dp.routed_experts(u, sel, w, ew, "per_token")))
+    assert_bitwise_equal(cfg(u, sel, w, ew), dp.routed_experts(u, sel, w, ew, "per_token"))
     assert hash(cfg) == hash(dp.DispatchConfig(mode="grouped", row_kernel="gemm", row_tile=4))
-    with pytest.raises(ValueError):
-        dp.DispatchConfig(mode="nope")
     assert dp.row_tiles(1) == (2,) and dp.row_tiles(5) == (2, 4, 8) and dp.row_tiles(64) == (2, 4, 8, 16)
 
 
 def test_mixed_qtypes_with_a_q6_k_down():
     """A Q4_K_M-style layer: Q4_K gate/up, Q6_K down (dequantized by sharpi_jax.gguf.quants)."""
-    pytest.importorskip("sharpi_jax.gguf.quants")
     rng = np.random.default_rng(14)
     base = _experts("q4_k", "gguf")
     down = rng.integers(0, 256, size=(E, D, F // 256, 210), dtype=np.uint8)

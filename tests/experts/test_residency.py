@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 
-import chex
 import numpy as np
 import pytest
 
@@ -21,6 +20,7 @@ from sharpi_jax.experts.streaming import MATRICES
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.model.moe import to_expert_storage
 from sharpi_jax.testing import write_synthetic_gguf
+from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_path
 
 OPTS = dict(max_context=64, prefill_buckets=(16,))
@@ -79,7 +79,7 @@ def _check_engine(path: str, frac: float, policy: str, **options):
     budget = residency.budget_for_fraction(*_geometry(path), frac)
     e = _ENGINES[(path, frac, policy)] = sj.load(path, **OPTS, expert_budget=budget, expert_policy=policy, **options)
     got = _trace(e, _prompt(e))
-    chex.assert_trees_all_equal(got, ref)
+    assert_bitwise_equal(got, ref)
     out = e.generate(_prompt(e), max_new_tokens=N_NEW, stop_on_eos=False)
     assert out.tokens == list(ref["tokens"])
     st = out.stats["experts"]
@@ -113,7 +113,7 @@ def _check_slots(e):
             have = {k: np.asarray(v) for k, v in arrays.items() if k[:5] == ("layers", i, "ffn", "experts", name)}
             want = want if isinstance(want, dict) else {None: want}
             for key, arr in have.items():
-                np.testing.assert_array_equal(arr, np.asarray(want[key[5] if len(key) > 5 else None]))
+                assert_bitwise_equal(arr, np.asarray(want[key[5] if len(key) > 5 else None]))
 
 
 _ENGINES: dict = {}  # engines built by earlier tests (each costs a compile), reused where possible
@@ -205,6 +205,6 @@ def test_minimum_budget_runs(synth_dir):
     minimum = residency.plan_residency(*_geometry(path), 10**15, "static").min_budget
     e = sj.load(path, **OPTS, expert_budget=minimum, expert_policy="static")
     assert e.residency.plan.slot_bytes == 0
-    chex.assert_trees_all_equal(_trace(e, _prompt(e)), ref)
+    assert_bitwise_equal(_trace(e, _prompt(e)), ref)
     st = e.expert_stats()
     assert st["hit_rate"] == 0.0 and st["bytes_streamed"] > 0 and st["experts_host_computed"] > 0

@@ -6,7 +6,6 @@ import functools
 import warnings
 from pathlib import Path
 
-import chex
 import gguf
 import jax
 import numpy as np
@@ -15,15 +14,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from sharpi_jax.errors import GGUFError, UnsupportedQuantError
 from sharpi_jax.gguf import quants
-
-# tests/gguf/test_quants.py -> repo root is parents[2]; the shared fixtures sit beside the repo.
-_FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
+from tests.bitwise import assert_bitwise_equal
+from tests.conftest import FIXTURES
 
 
 def _fixture_ggufs() -> list:
-    files = sorted([*_FIXTURES.glob("quant-zoo/*.gguf"), *_FIXTURES.glob("tiny-*/*.gguf")])
-    if not files:
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"reference GGUFs not found under {_FIXTURES}"))]
+    files = sorted([*FIXTURES.glob("quant-zoo/*.gguf"), *FIXTURES.glob("tiny-*/*.gguf")])
+    if not files:  # (under CI=true the session has already stopped: conftest.pytest_sessionstart)
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"reference GGUFs not found under {FIXTURES}"))]
     return [pytest.param(p, id=f"{p.parent.name}/{p.name}") for p in files]
 
 
@@ -34,14 +32,8 @@ def _reference(raw: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def _assert_bitwise(ours, ref: np.ndarray, what: str = "") -> None:
-    ours = np.asarray(ours)
-    assert ours.dtype == np.float32, what
-    assert ours.shape == ref.shape, what
-    diff = np.flatnonzero(ours.view(np.uint32) != ref.view(np.uint32))
-    if diff.size:
-        i = diff[0]
-        pytest.fail(f"{what}: {diff.size} values differ; first at flat index {i}: "
-                    f"ours {ours.reshape(-1)[i]!r} ref {ref.reshape(-1)[i]!r}")
+    assert ref.dtype == np.float32, what
+    assert_bitwise_equal(np.asarray(ours), ref, what)
 
 
 # --- random blocks with sanitised scale fields ----------------------------------------------
@@ -218,7 +210,7 @@ def test_jit_inside_larger_function():
     def f(b):
         return quants.dequantize_blocks(b, Q.Q8_0).reshape(8, 32)
 
-    chex.assert_shape(f(blocks), (8, 32))
+    assert f(blocks).shape == (8, 32)
     _assert_bitwise(f(blocks), ref, "inside jit")
 
 

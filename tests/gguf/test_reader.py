@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import struct
+import warnings
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
@@ -12,6 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import GGUFError, UnsupportedArchitectureError, UnsupportedQuantError
 from sharpi_jax.gguf import GGUFFile, read_model_config
+from tests.bitwise import assert_bitwise_equal
 from tests.conftest import FIXTURES, fixture_path
 
 ALL_FIXTURE_GGUFS = sorted(FIXTURES.glob("*/*.gguf")) if FIXTURES.exists() else []
@@ -29,7 +32,14 @@ def test_tensor_views_equal_gguf_reader(path: Path):
             assert info.shape == tuple(int(d) for d in reversed(t.shape))
             view = f.raw(t.name)
             assert not view.flags.writeable and not view.flags.owndata  # zero-copy, read-only
-            np.testing.assert_array_equal(view.reshape(-1), t.data.view(np.uint8).reshape(-1))
+            assert_bitwise_equal(view.reshape(-1), t.data.view(np.uint8).reshape(-1))
+        # f.dequantize is gguf.quants bit for bit (every tensor of every file: tests/gguf/test_quants.py;
+        # here the wrapper, on the file's largest tensor).
+        big = max(ref.tensors, key=lambda t: int(t.n_bytes))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            want = np.asarray(gguf.quants.dequantize(big.data, big.tensor_type), np.float32)
+        assert_bitwise_equal(np.asarray(f.dequantize(big.name)), want.reshape(f.tensor(big.name).shape), big.name)
         for key, field in ref.fields.items():
             if key.startswith("GGUF."):
                 continue

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import unicodedata
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,8 +14,8 @@ from tokenizers import Regex, pre_tokenizers
 from sharpi_jax.errors import GGUFError, InputError
 from sharpi_jax.gguf.tokenizer import (CONTROL, NORMAL, QWEN2_SPLIT_REGEX, QWEN35_SPLIT_REGEX, UNUSED,
                                        USER_DEFINED, Tokenizer, byte_symbols, train_byte_level_bpe)
+from tests.conftest import fixture_path
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 MODEL_DIRS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
 PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -25,9 +24,7 @@ PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthC
 def _fixture_fields(model_dir: str) -> dict:
     import gguf
 
-    path = FIXTURES / model_dir / f"{model_dir}-F32.gguf"
-    if not path.exists():
-        pytest.skip(f"reference fixture {path} is absent (expected ../shared/fixtures beside the repo)")
+    path = fixture_path(model_dir, f"{model_dir}-F32.gguf")
     reader = gguf.GGUFReader(path)
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
@@ -83,7 +80,7 @@ TEXT = st.one_of(
 @pytest.mark.parametrize("model_dir", MODEL_DIRS)
 def test_fixture_prompts_match_llamacpp(model_dir):
     tok = _fixture_tokenizer(model_dir)
-    refs = json.loads((FIXTURES / model_dir / "references.json").read_text())
+    refs = json.loads(fixture_path(model_dir, "references.json").read_text())
     assert refs["variants"], "references.json lists no variants"
     for variant, data in refs["variants"].items():
         for i, prompt in enumerate(refs["prompts"]):

@@ -1,6 +1,7 @@
 """Forward pass vs the independent references in ../shared/fixtures (transformers and llama.cpp).
 
-Figures are printed (run with -s to see them).
+The bounds are the README's promises ("What is promised, and how it is tested"), which state the
+measured figures beside them. Figures are printed (run with -s to see them).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, fixture_path, load_references
 
 ARCHS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
@@ -27,6 +29,11 @@ def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# F32 logits vs transformers, relative L2 per prompt: measured 2.1e-7 .. 2.9e-7 on every architecture
+# (float32 rounding); the bound leaves 3.5x, so a 1e-5 relative change of the logits fails.
+F32_REL_L2 = 1e-6
+
+
 @pytest.mark.parametrize("name", ARCHS)
 def test_f32_logits_match_transformers(name):
     ref = references(name)
@@ -37,8 +44,8 @@ def test_f32_logits_match_transformers(name):
         assert got.shape == want.shape and got.dtype == np.float32
         r = rel_l2(got, want)
         agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
-        print(f"{name}-F32 prompt {i} (T={len(toks)}): rel L2 vs transformers {r:.2e}, argmax agreement {agree:.3f}")
-        assert r <= 1e-4, (i, r)
+        print(f"{name}-F32 prompt {i} (T={len(toks)}): rel L2 vs transformers {r:.3e}, argmax agreement {agree:.3f}")
+        assert r <= F32_REL_L2, f"prompt {i}: rel L2 {r:.3e} > {F32_REL_L2:.0e}"
         np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
@@ -46,7 +53,13 @@ QUANT_CASES = [("tiny-qwen35moe", "Q8_0"), ("tiny-qwen35moe", "Q4_K_M"), ("tiny-
                ("tiny-qwen35", "Q4_K_M"), ("tiny-qwen3next", "Q8_0"), ("tiny-qwen35moe", "BF16")]
 # llama.cpp quantizes activations (Q8) in quantized matmuls and rounds them to bf16 for BF16 weights;
 # we dequantize weights exactly and keep activations f32, so the gap is that activation rounding.
-TOLERANCE = {"Q8_0": 2e-2, "Q4_K_M": 2e-2, "BF16": 1e-2}
+# Bounds per prompt (relative L2) and per file (argmax agreement over all prompts' rows); measured
+# maxima (README table): BF16 2.64e-3; Q4_K_M 4.52e-3 (qwen35moe), 5.37e-3 (qwen35); Q8_0 4.94e-3
+# (qwen35), 6.62e-3 (qwen3next), 1.09e-2 (qwen35moe prompt 2, one row of it at 5.3e-2: the README's 1.1e-2
+# is that file's figure, with 1% to spare).
+# Argmax agreement measured 0.9905 (qwen35-Q4_K_M, 419/423) .. 0.9956.
+TOLERANCE = {"BF16": 4e-3, "Q4_K_M": 8e-3, "Q8_0": 1.1e-2}
+MIN_ARGMAX_AGREEMENT = 0.99
 
 
 @pytest.mark.parametrize("name,variant", QUANT_CASES)
@@ -62,11 +75,11 @@ def test_quantized_logits_match_llamacpp(name, variant):
         rels.append(r)
         hits += int(np.sum(got.argmax(-1) == want.argmax(-1)))
         total += len(toks)
-        assert r <= TOLERANCE[variant], (i, r)
     agree = hits / total
-    print(f"{name}-{variant}: rel L2 vs llama.cpp per prompt {', '.join(f'{r:.2e}' for r in rels)}; "
+    print(f"{name}-{variant}: rel L2 vs llama.cpp per prompt {', '.join(f'{r:.3e}' for r in rels)}; "
           f"argmax agreement {hits}/{total} = {agree:.4f}")
-    assert agree >= 0.98
+    assert max(rels) <= TOLERANCE[variant], f"rel L2 per prompt {rels} > {TOLERANCE[variant]:.1e}"
+    assert agree >= MIN_ARGMAX_AGREEMENT, f"argmax agreement {hits}/{total} = {agree:.4f} < {MIN_ARGMAX_AGREEMENT}"
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -87,7 +100,7 @@ def test_chunked_and_recurrent_gdn_agree(name):
     print(f"{name}: chunked vs recurrent GDN (T={len(toks)}): hidden {r_hidden:.2e}, last logits {r_logits:.2e}, "
           f"final SSM state (max over layers) {r_ssm:.2e}")
     assert r_hidden <= 1e-5 and r_logits <= 1e-5 and r_ssm <= 1e-5
-    np.testing.assert_array_equal(cc[0], cs[0])  # layer 0's conv state copies raw inputs: exact
+    assert_bitwise_equal(cc[0], cs[0])  # layer 0's conv state copies raw inputs: exact
     assert max(rel_l2(a, b) for a, b in zip(cc, cs)) <= 1e-5
 
     # One GDN layer on real activations, fresh state: output and state.

@@ -6,7 +6,6 @@ kernel test also asserts that no NaN is left. Shapes stay small: interpret mode 
 
 from __future__ import annotations
 
-import chex
 import gguf
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from gguf import quants as gq
 
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import quant_blocks as qb
+from tests.bitwise import assert_bitwise_equal
 
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_k": gguf.GGMLQuantizationType.Q4_K}
 
@@ -37,13 +37,13 @@ def test_dequantize_matches_gguf_bitwise(qtype):
     rng = np.random.default_rng(1)
     raw, want = _weights(rng, qtype, (3, 5, 512))
     got = jax.jit(lambda r: qb.dequantize_rows(r, qtype, 512))(raw)
-    chex.assert_trees_all_equal(np.asarray(got), want)
+    assert_bitwise_equal(np.asarray(got), want)
     soa = jax.jit(lambda r: qb.to_soa(r, qtype, 512))(raw)
-    chex.assert_trees_all_equal(np.asarray(jax.jit(lambda s: qb.dequantize_soa(s, qtype))(soa)), want)
-    chex.assert_trees_all_equal(np.asarray(qb.soa_to_raw(soa, qtype)), raw)
+    assert_bitwise_equal(np.asarray(jax.jit(lambda s: qb.dequantize_soa(s, qtype))(soa)), want)
+    assert_bitwise_equal(np.asarray(qb.soa_to_raw(soa, qtype)), raw)
     assert sum(a.nbytes for a in jax.tree.leaves(soa)) == raw.nbytes  # SoA holds the same bytes
     packed = qb.pack(jnp.asarray(raw), qtype, 512)
-    chex.assert_trees_all_equal(np.asarray(jax.jit(lambda p: qb.dequantize_packed(p, qtype))(packed)), want)
+    assert_bitwise_equal(np.asarray(jax.jit(lambda p: qb.dequantize_packed(p, qtype))(packed)), want)
 
 
 def test_dequantize_real_quantized_data():
@@ -52,7 +52,7 @@ def test_dequantize_real_quantized_data():
     x = rng.standard_normal((4, 512)).astype(np.float32) * 0.05
     for qtype, raw in (("q8_0", gq.quantize(x, GGML["q8_0"])), ("q4_k", qb.quantize_q4_k_np(x))):
         want = gq.dequantize(raw, GGML[qtype])
-        chex.assert_trees_all_equal(np.asarray(jax.jit(lambda r, q=qtype: qb.dequantize_rows(r, q, 512))(raw)), want)
+        assert_bitwise_equal(np.asarray(jax.jit(lambda r, q=qtype: qb.dequantize_rows(r, q, 512))(raw)), want)
         np.testing.assert_allclose(want, x, atol=0.01)  # a real quantizer, not noise
 
 
@@ -63,9 +63,9 @@ def test_q4_k_storage_order_is_a_column_permutation():
     storage = np.asarray(jax.jit(lambda s: qb.dequantize_soa(s, "q4_k", "storage"))(soa))
     perm = np.asarray(qb.storage_k_order(jnp.arange(512)[None], "q4_k"))[0]
     assert sorted(perm.tolist()) == list(range(512))
-    chex.assert_trees_all_equal(storage, natural[..., perm])
+    assert_bitwise_equal(storage, natural[..., perm])
     x = rng.standard_normal((4, 512)).astype(np.float32)
-    chex.assert_trees_all_equal(np.asarray(qb.storage_k_order(jnp.asarray(x), "q4_k")), x[:, perm])
+    assert_bitwise_equal(np.asarray(qb.storage_k_order(jnp.asarray(x), "q4_k")), x[:, perm])
 
 
 # ----------------------------------------------------------------------------- layout
@@ -122,7 +122,7 @@ def test_kernel_interpret_equals_reference_bitwise(qtype):
     ids = np.array([3, 0, 3, 1, 3, 3, 0, 4, 4, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3])  # group 2 unused, 3 skewed
     y, ref, lay, x, w = _run_kernel(rng, qtype, ids, n_groups=5, n_out=64, k=256)
     assert not np.isnan(y).any(), "kernel left unwritten outputs"
-    chex.assert_trees_all_equal(y, ref)
+    assert_bitwise_equal(y, ref)
     empty = np.repeat(np.asarray(lay.tile_group) < 0, 16)
     assert empty.any() and (y[empty] == 0).all()  # unused tiles are written, with zeros
     # Independent numeric oracle: rows sorted by group through lax.ragged_dot.
@@ -137,7 +137,7 @@ def test_kernel_single_row_and_all_rows_one_group():
     for ids in (np.array([2]), np.full(20, 1)):
         y, ref, *_ = _run_kernel(rng, "f32", ids, n_groups=3, n_out=32, k=64, block_m=8, block_n=16, block_k=32)
         assert not np.isnan(y).any()
-        chex.assert_trees_all_equal(y, ref)
+        assert_bitwise_equal(y, ref)
 
 
 def test_kernel_rows_do_not_depend_on_the_batch():
@@ -157,7 +157,27 @@ def test_kernel_rows_do_not_depend_on_the_batch():
 
     full = run(x, ids)
     for i in (0, 5):
-        chex.assert_trees_all_equal(run(x[i:i + 1], ids[i:i + 1])[0], full[i])
+        assert_bitwise_equal(run(x[i:i + 1], ids[i:i + 1])[0], full[i])
+
+
+def test_bad_arguments_raise_value_error():
+    """pallas_kernels never imports sharpi_jax: its contract for bad arguments is a plain ValueError
+    naming the problem (sharpi_jax.experts.dispatch checks its own inputs first and raises InputError)."""
+    rng = np.random.default_rng(9)
+    raw, _ = _weights(rng, "q8_0", (2, 32, 64))
+    packed = qb.pack(jnp.asarray(raw), "q8_0", 64)
+    lay = gm.group_layout(jnp.asarray([0, 1, 1], jnp.int32), 2, 8)
+    xp = gm.scatter_rows(jnp.ones((3, 64), jnp.float32), lay)
+    with pytest.raises(ValueError, match=r"q8_0 weights need fields \('qs', 'd'\)"):
+        gm.grouped_matmul(xp, {"w": packed["qs"]}, lay.tile_group, qtype="q8_0", block_m=8, interpret=True)
+    with pytest.raises(ValueError, match="x has 7 rows, tile_group says"):
+        gm.grouped_matmul(xp[:7], packed, lay.tile_group, qtype="q8_0", block_m=8, interpret=True)
+    with pytest.raises(ValueError, match=r"shapes: N=32 block_n=32 K=32 .* w K=64"):
+        gm.grouped_matmul(xp[:, :32], packed, lay.tile_group, qtype="q8_0", block_m=8, interpret=True)
+    with pytest.raises(ValueError, match="row length 33 is not a multiple of the block size 32"):
+        qb.row_bytes("q8_0", 33)
+    with pytest.raises(ValueError, match="no SoA layout for 'q6_k'"):
+        qb.dequantize_soa({"d": jnp.zeros((2, 1), jnp.float16)}, "q6_k")
 
 
 # ----------------------------------------------------------------------------- GPU lowering

@@ -10,7 +10,6 @@ for the figures.
 from __future__ import annotations
 
 
-import chex
 import numpy as np
 import pytest
 
@@ -21,6 +20,7 @@ from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import generate_mtp, llamacpp_protocol
 from sharpi_jax.testing import write_synthetic_gguf
+from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, fixture_path, load_references
 
 MAX_CONTEXT = 512  # as the other fixture tests: compiled steps are shared with them
@@ -64,12 +64,12 @@ def check_parity(e, prompt, n, ks=KS):
         out_b, st_b = spec(e, prompt, n, k, "batched", trace=tb)
         out_s, st_s = spec(e, prompt, n, k, "sequential", trace=ts, full_rows=True)
         out_e, st_e = spec(e, prompt, n, k, "sequential", trace=te)
-        chex.assert_trees_all_equal(tb, ts)
+        assert_bitwise_equal(tb, ts)
         assert len(te) == len(tb)
         for b, s in zip(tb, te):  # early stop: rows 0..a only, bitwise those of the batched pass
             m = len(s["tokens"])
             assert m == b["accepted"] + 1 == s["accepted"] + 1
-            chex.assert_trees_all_equal((s["tokens"], s["logits"], s["hidden"]),
+            assert_bitwise_equal((s["tokens"], s["logits"], s["hidden"]),
                                         (b["tokens"][:m], b["logits"][:m], b["hidden"][:m]))
         assert out_b == out_s == out_e == ref, f"k={k}"
         for key in ("drafted", "accepted", "verify_passes", "accept_per_position", "generated_tokens"):

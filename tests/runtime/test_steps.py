@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 
-import chex
 import jax
 import numpy as np
 import pytest
 
 from sharpi_jax.runtime.state import state_bytes
+from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, load_references
 
 MAX_CONTEXT = 512
@@ -44,15 +44,15 @@ def _check_verify_parity(e, prompt, tokens):
     rows, seq_state = _sequential(e, state, tokens, pos)
     _, state = _prefilled(e, prompt)
     logits, hidden, ver_state, snaps = e.runtime.verify_step(state, tokens, pos)
-    chex.assert_trees_all_equal(logits, np.stack([r[0] for r in rows]))
-    chex.assert_trees_all_equal(hidden, np.stack([r[1] for r in rows]))
+    assert_bitwise_equal(logits, np.stack([r[0] for r in rows]))
+    assert_bitwise_equal(hidden, np.stack([r[1] for r in rows]))
     for j in range(T):  # GDN snapshot j == the state after j+1 single steps
-        chex.assert_trees_all_equal(tuple(c[j] for c in snaps.conv), rows[j][2])
-        chex.assert_trees_all_equal(tuple(s[j] for s in snaps.ssm), rows[j][3])
-    chex.assert_trees_all_equal(ver_state.k, seq_state.k)
-    chex.assert_trees_all_equal(ver_state.v, seq_state.v)
+        assert_bitwise_equal(tuple(c[j] for c in snaps.conv), rows[j][2])
+        assert_bitwise_equal(tuple(s[j] for s in snaps.ssm), rows[j][3])
+    assert_bitwise_equal(ver_state.k, seq_state.k)
+    assert_bitwise_equal(ver_state.v, seq_state.v)
     committed = e.runtime.commit(ver_state, snaps, T - 1)
-    chex.assert_trees_all_equal(committed, seq_state)
+    assert_bitwise_equal(committed, seq_state)
 
 
 @pytest.mark.parametrize("T", range(2, 9))
@@ -93,8 +93,8 @@ def test_rollback_by_snapshot():
     _, state = _prefilled(e, prompt)
     _, state = _sequential(e, state, drafts[:2], pos)
     want = e.runtime.decode_step(state, nxt, pos + 2)
-    chex.assert_trees_all_equal(got[:2], want[:2])
-    chex.assert_trees_all_equal((got[2].conv, got[2].ssm), (want[2].conv, want[2].ssm))
+    assert_bitwise_equal(got[:2], want[:2])
+    assert_bitwise_equal((got[2].conv, got[2].ssm), (want[2].conv, want[2].ssm))
 
 
 def test_decode_continues_prefill():
@@ -115,7 +115,7 @@ def test_determinism():
     name = "tiny-qwen35moe"
     e = engine(name, "F32")
     prompt = references(name)["variants"][f"{name}-F32"]["tokens"][2]
-    chex.assert_trees_all_equal(e.logits(prompt), e.logits(prompt))
+    assert_bitwise_equal(e.logits(prompt), e.logits(prompt))
     for kw in ({}, {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "min_p": 0.02, "seed": 7}):
         a = e.generate(prompt, max_new_tokens=16, stop_on_eos=False, **kw)
         b = e.generate(prompt, max_new_tokens=16, stop_on_eos=False, **kw)

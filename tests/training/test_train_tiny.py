@@ -4,7 +4,6 @@ deterministically, and llama.cpp (optional) continues a prompt with the same gre
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 
@@ -32,6 +31,13 @@ PROMPT = "def read_config(path):\n"
 def rel_l2(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
+
+# The training graph vs transformers (the fixture) is the README's F32 promise: relative L2 <= 1e-6.
+F32_REL_L2 = 1e-6
+# The training graph vs the engine on a random model (std 0.1 weights, so larger logits and more rounding
+# than the trained fixture): the same float32 function in a different op order, measured 2.3e-6 (trunk)
+# and 1.7e-6 (MTP head); the bound leaves 4x.
+RANDOM_REL_L2 = 1e-5
 
 forward = jax.jit(tm.forward, static_argnums=1)
 mtp_forward = jax.jit(tm.mtp_forward, static_argnums=1)
@@ -63,28 +69,29 @@ def test_forward_matches_engine(config, random_model):
     ref = engine.logits(ids)
     logits, _ = forward(params, config, jnp.asarray([ids]))
     logits = np.asarray(logits[0])
-    assert rel_l2(logits, ref) <= 1e-4
+    r = rel_l2(logits, ref)
+    print(f"training forward vs engine (random model): rel L2 {r:.3e}")
+    assert r <= RANDOM_REL_L2, r
     np.testing.assert_array_equal(logits.argmax(-1), ref.argmax(-1))
 
 
 def test_mtp_forward_matches_engine(config, random_model):
     engine, params, ids = random_model
-    if not hasattr(engine, "mtp_logits"):
-        pytest.skip("Engine.mtp_logits is not implemented yet (MTP issue)")
-    try:
-        ref = engine.mtp_logits(ids)
-    except NotImplementedError as e:
-        pytest.skip(f"Engine.mtp_logits raised NotImplementedError: {e}")
+    ref = engine.mtp_logits(ids)
     _, hidden = forward(params, config, jnp.asarray([ids]))
     mtp = np.asarray(mtp_forward(params, config, jnp.asarray([ids]), hidden)[0])
     assert mtp.shape == ref.shape == (len(ids) - 1, config.n_vocab)
-    assert rel_l2(mtp, ref) <= 1e-4
+    r = rel_l2(mtp, ref)
+    print(f"training mtp_forward vs engine (random model): rel L2 {r:.3e}")
+    assert r <= RANDOM_REL_L2, r
     np.testing.assert_array_equal(mtp.argmax(-1), ref.argmax(-1))
-    if "zero_h_first" in inspect.signature(engine.mtp_logits).parameters:  # llama.cpp's (ids[0], h = 0) row
-        ref0 = engine.mtp_logits(ids, zero_h_first=True)
-        mtp0 = np.asarray(jax.jit(lambda p, i, h: tm.mtp_forward(p, config, i, h, zero_h_first=True))(
-            params, jnp.asarray([ids]), hidden)[0])
-        assert rel_l2(mtp0, ref0) <= 1e-4
+    # llama.cpp's (ids[0], h = 0) row
+    ref0 = engine.mtp_logits(ids, zero_h_first=True)
+    mtp0 = np.asarray(jax.jit(lambda p, i, h: tm.mtp_forward(p, config, i, h, zero_h_first=True))(
+        params, jnp.asarray([ids]), hidden)[0])
+    r0 = rel_l2(mtp0, ref0)
+    print(f"training mtp_forward vs engine, llama.cpp's (ids[0], h = 0) row: rel L2 {r0:.3e}")
+    assert r0 <= RANDOM_REL_L2, r0
 
 
 def test_forward_and_mtp_match_transformers_fixture():
@@ -101,8 +108,9 @@ def test_forward_and_mtp_match_transformers_fixture():
     mtp = mtp_forward(params, config, ids, hidden)
     for i, t in enumerate(prompts):
         n = len(t)
-        assert rel_l2(logits[i, :n], refs[f"logits_{i}"]) <= 1e-4
-        assert rel_l2(mtp[i, : n - 1], refs[f"mtp_logits_{i}"]) <= 1e-4
+        r, r_mtp = rel_l2(logits[i, :n], refs[f"logits_{i}"]), rel_l2(mtp[i, : n - 1], refs[f"mtp_logits_{i}"])
+        print(f"training graph vs transformers, prompt {i}: logits rel L2 {r:.3e}, MTP logits {r_mtp:.3e}")
+        assert r <= F32_REL_L2 and r_mtp <= F32_REL_L2, (i, r, r_mtp)
 
 
 # ----- pieces of the training graph -----
