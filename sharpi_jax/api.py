@@ -17,9 +17,9 @@ import numpy as np
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import residency as expert_residency
+from sharpi_jax.experts.provider import EXPERT_MODES, GGUFExperts
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
-from sharpi_jax.model.moe import EXPERT_MODES
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
@@ -61,8 +61,8 @@ class Engine:
         self.expert_mode = expert_mode
         self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
                                                     **residency_options)
-        self.model = load_model(self.gguf, self.config, progress=progress, expert_mode=expert_mode,
-                                residency=self.residency)
+        self.experts = GGUFExperts(self.gguf, self.config, expert_mode, self.residency) if self.config.is_moe else None
+        self.model = load_model(self.gguf, self.config, self.experts, progress=progress)
         self.runtime = Runtime(self.model, int(max_context), prefill_buckets)
         self._mtp: MTPRuntime | None = None
 
@@ -131,7 +131,7 @@ class Engine:
         if self._mtp is None:
             if not self.config.has_mtp:
                 raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
-            head = load_mtp(self.gguf, self.config, self.model, expert_mode=self.expert_mode)
+            head = load_mtp(self.gguf, self.config, self.model, self.experts)
             self._mtp = MTPRuntime(head, self.max_context)
         return self._mtp
 

@@ -1,7 +1,8 @@
-"""Basic layers: Linear (weights stored [in, out]), RMSNorm, partial NEOX rope, SwiGLU.
+"""Basic layers: Linear (weights stored [in, out]), RMSNorm, partial NEOX rope, SwiGLU, and the GGUF
+block storage that some weights keep (`QuantBlocks`).
 
-Every weight is float32. GGUF matrices `{in, out}` (numpy `[out, in]`) are transposed once at load:
-on XLA CPU `x @ w` with `w` [in, out] is ~1.6x faster than `x @ w.T` for decode-sized `x`.
+Every Linear weight is float32. GGUF matrices `{in, out}` (numpy `[out, in]`) are transposed once at
+load: on XLA CPU `x @ w` with `w` [in, out] is ~1.6x faster than `x @ w.T` for decode-sized `x`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from sharpi_jax.gguf.quants import dequantize_blocks
+
+
+class QuantBlocks(nnx.Variable):
+    """Weights kept in (a form of) their GGUF storage: raw block rows, SoA fields or float experts."""
+
+
+def blocks_shape(shape: tuple[int, ...], qtype: int) -> tuple[int, ...]:
+    """uint8 shape holding a tensor of numpy `shape` in ggml type `qtype`."""
+    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return (*shape[:-1], shape[-1] // bs * ts)
+
+
+def dequantize_rows(raw: jax.Array, qtype: int, n_cols: int) -> jax.Array:
+    """uint8 [..., row_bytes] -> float32 [..., n_cols]; exact (bitwise gguf.quants)."""
+    qt = GGMLQuantizationType(qtype)
+    bs, ts = GGML_QUANT_SIZES[qt]
+    lead = raw.shape[:-1]
+    return dequantize_blocks(raw.reshape(*lead, n_cols // bs, ts), qt).reshape(*lead, n_cols)
 
 
 class Linear(nnx.Module):

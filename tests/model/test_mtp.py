@@ -75,14 +75,14 @@ def test_mtp_logits_quantized(name, variant):
 def test_mtp_shares_trunk_arrays():
     """The head uses the trunk's embedding and LM head arrays (no copies) and its own norms/projection."""
     e = engine("tiny-qwen35moe", "F32")
-    h = load_mtp(e.gguf, e.config, e.model)
+    h = load_mtp(e.gguf, e.config, e.model, e.experts)
     assert h.embed.raw[...] is e.model.embed.raw[...]
     assert h.lm_head.w[...] is e.model.lm_head.w[...]
     p = f"blk.{e.config.mtp_layer}"
     np.testing.assert_array_equal(np.asarray(h.shared_head_norm.weight[...]),
                                   e.gguf.array(f"{p}.nextn.shared_head_norm.weight"))
     np.testing.assert_array_equal(np.asarray(h.eh_proj.w[...]), e.gguf.array(f"{p}.nextn.eh_proj.weight").T)
-    standalone = load_mtp(e.gguf, e.config)  # no trunk: loaded from the file, same values
+    standalone = load_mtp(e.gguf, e.config, experts=e.experts)  # no trunk: loaded from the file, same values
     chex.assert_trees_all_equal(np.asarray(standalone.lm_head.w[...]), np.asarray(h.lm_head.w[...]))
 
 
