@@ -208,11 +208,11 @@ def bench_threshold(path: Path, emit) -> list[dict]:
         # Zero slots: the budget is exactly the staging, so every expert of a batch is cold.
         res = residency.configure(f, c, staging * bpe, "static", expert_staging=staging, expert_cold=cold,
                                   expert_prefetch=0)
-        graphdef, state = nnx.split(res.experts_module(0))
+        graphdef, state = nnx.split(res.experts_module(0, "grouped", {}))
 
         def call(state, u, sel, w, valid):
             m = nnx.merge(graphdef, state)
-            out = m(u, sel, w, valid, "grouped")
+            out = m(u, sel, w, valid)
             return out, nnx.state(m)
 
         return jax.jit(call), state

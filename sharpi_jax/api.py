@@ -17,9 +17,9 @@ import numpy as np
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import residency as expert_residency
+from sharpi_jax.experts.provider import EXPERT_MODES, GGUFExperts
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
-from sharpi_jax.model.moe import EXPERT_MODES
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
@@ -64,12 +64,12 @@ class Engine:
             if expert_budget is not None:
                 raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
                                  "grouped kernel reads whole expert stacks (use kernels='xla')")
-            expert_mode = "pallas"  # the grouped-matmul + weighted-reduce kernels (see model.moe)
+            expert_mode = "pallas"  # the grouped-matmul + weighted-reduce kernels (experts.provider)
         self.expert_mode = expert_mode
         self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
                                                     **residency_options)
-        self.model = load_model(self.gguf, self.config, progress=progress, expert_mode=expert_mode,
-                                residency=self.residency, fmt=self.matrix_format)
+        self.experts = GGUFExperts(self.gguf, self.config, expert_mode, self.residency) if self.config.is_moe else None
+        self.model = load_model(self.gguf, self.config, self.experts, progress=progress, fmt=self.matrix_format)
         self.runtime = Runtime(self.model, int(max_context), prefill_buckets)
         self._mtp: MTPRuntime | None = None
 
@@ -138,8 +138,7 @@ class Engine:
         if self._mtp is None:
             if not self.config.has_mtp:
                 raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
-            head = load_mtp(self.gguf, self.config, self.model, expert_mode=self.expert_mode,
-                            fmt=self.matrix_format)
+            head = load_mtp(self.gguf, self.config, self.model, self.experts, fmt=self.matrix_format)
             self._mtp = MTPRuntime(head, self.max_context)
         return self._mtp
 
@@ -215,8 +214,7 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     "auto" = Pallas on a GPU, XLA elsewhere; see `sharpi_jax.quant.matmul`), repack ("auto": on XLA:CPU,
     quantized matrices of >= 4M weights are repacked to int8 rows (lossy, 1 B/weight: the fast CPU
     path for an LM head), smaller ones keep their GGUF encoding; None: every matrix in its GGUF
-    encoding, exact; "int8": every quantized matrix repacked),
-    plus the residency options of `sharpi_jax.experts.residency.configure`
+    encoding, exact; "int8": every quantized matrix repacked), plus the residency options of `sharpi_jax.experts.residency.configure`
     (device_budget, expert_counts, ...).
     """
     if path is None:

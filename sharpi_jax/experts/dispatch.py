@@ -67,6 +67,7 @@ __all__ = [
     "dispatch_counts",
     "dispatch_stats",
     "expert_ffn",
+    "expert_rows",
     "pack_expert_weights",
     "read_bytes",
     "routed_experts",
@@ -293,6 +294,21 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
     return ys[b.inv_order].reshape(n, k, d), _counters(loads, read)
 
 
+def expert_rows(u: jax.Array, sel: jax.Array, experts, mode: str = "grouped", row_kernel: str = "gemm",
+                row_tile: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The unreduced expert outputs Y [N, k, D] (Y[i, j] = expert_{sel[i, j]}(u[i])) and the read
+    counters (`with_stats`), as `routed_experts` computes them in the XLA modes ("per_token" | "grouped").
+
+    `experts` is an `ExpertWeights` or anything with its `n_expert`, `input_orders` and
+    `dequant_expert` (e.g. two stacks read as one, for expert residency)."""
+    if mode == "per_token":
+        return _per_token(u, sel, experts, row_kernel)
+    tiles = (1,) if row_kernel == "gemv" else row_tiles(sel.shape[0], row_tile)
+    if row_kernel == "gemm" and min(tiles) < 2:
+        raise InputError("row_kernel='gemm' needs row_tile >= 2 (M = 1 is a different kernel)")
+    return _grouped(u, sel, experts, tiles)
+
+
 # ----------------------------------------------------------------------------- pallas path
 
 
@@ -429,13 +445,7 @@ def routed_experts(
         experts.validate()
         if u.shape[1] != experts.d_model:
             raise InputError(f"u has width {u.shape[1]}, experts have d_model {experts.d_model}")
-        if mode == "per_token":
-            y, stats = _per_token(u, sel, experts, row_kernel)
-        else:
-            tiles = (1,) if row_kernel == "gemv" else row_tiles(n, row_tile)
-            if row_kernel == "gemm" and min(tiles) < 2:
-                raise InputError("row_kernel='gemm' needs row_tile >= 2 (M = 1 is a different kernel)")
-            y, stats = _grouped(u, sel, experts, tiles)
+        y, stats = expert_rows(u, sel, experts, mode, row_kernel, row_tile)
     out = weighted_reduce(y, w.astype(jnp.float32))
     return (out, stats) if with_stats else out
 

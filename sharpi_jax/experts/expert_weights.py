@@ -14,6 +14,10 @@ any other ggml type goes through `sharpi_jax.gguf.quants.dequantize_blocks` when
 Layout "gguf" keeps the file's interleaved blocks; layout "soa" (`ExpertWeights.to_soa()`, once at
 load time) splits Q8_0/Q4_K blocks into one array per field: the same bytes, but XLA:CPU vectorizes
 the dequantization (~8x faster measured here). Both give bit-identical results.
+
+Storage form (`expert_storage`): how a model holds an [E, rows, cols] expert matrix of a ggml type:
+Q8_0 / Q4_K in the SoA layout, F32 / F16 as float arrays, every other type as raw GGUF rows (all
+converted once at load by `to_expert_storage`); `ExpertWeights.from_storage` views such matrices.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from pallas_kernels import quant_blocks as qb
 from sharpi_jax.errors import InputError
+from sharpi_jax.model.layers import QuantBlocks, blocks_shape
 
 FLOAT_QTYPES = ("f32", "f16")
 
@@ -205,6 +211,13 @@ class ExpertWeights:
         )
 
     @classmethod
+    def from_storage(cls, gate, up, down, qtypes: tuple[int, int, int]) -> "ExpertWeights":
+        """A view of matrices in their storage form (`expert_storage`) with ggml type ids `qtypes`."""
+        names = [qtype_name(q) for q in qtypes]
+        layout = "soa" if any(n in qb.QUANTIZED for n in names) else "gguf"
+        return cls(gate, up, down, *names, layout)
+
+    @classmethod
     def from_float(cls, gate, up, down, qtype: str = "f32") -> "ExpertWeights":
         """Quantizes float weights on the host (Q8_0: gguf.quants; Q4_K: a simple quantizer)."""
         return cls(_quantize_np(gate, qtype), _quantize_np(up, qtype), _quantize_np(down, qtype),
@@ -251,3 +264,49 @@ def _quantize_np(x, qtype: str):
     if qtype == "q4_k":
         return jnp.asarray(qb.quantize_q4_k_np(x))
     return jnp.asarray(gguf.quants.quantize(x, _gguf_type(qtype)))
+
+
+# ----------------------------------------------------------------------------- storage form
+
+
+def qtype_name(qtype: int) -> str:
+    """The qtype spelling of this module ("q4_k", "f32", ...) of a ggml type id."""
+    return gguf.GGMLQuantizationType(qtype).name.lower()
+
+
+def expert_storage(shape: tuple[int, ...], qtype: int) -> jax.ShapeDtypeStruct | dict[str, jax.ShapeDtypeStruct]:
+    """How one [E, rows, cols] expert matrix of ggml type `qtype` is held (shapes only)."""
+    name = qtype_name(qtype)
+    if name == "f32":
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+    if name == "f16":
+        return jax.ShapeDtypeStruct(shape, jnp.float16)
+    raw = jax.ShapeDtypeStruct(blocks_shape(shape, qtype), jnp.uint8)
+    if name in qb.QUANTIZED:
+        return jax.eval_shape(lambda r: qb.to_soa(r, name, shape[-1]), raw)
+    return raw
+
+
+def to_expert_storage(raw, shape: tuple[int, ...], qtype: int):
+    """GGUF bytes of an expert matrix -> arrays laid out as `expert_storage` says."""
+    name = qtype_name(qtype)
+    raw = jnp.asarray(raw)
+    if name in ("f32", "f16"):
+        return jax.lax.bitcast_convert_type(raw.reshape(*shape, -1), jnp.dtype(name.replace("f", "float")))
+    if name in qb.QUANTIZED:
+        return qb.to_soa(raw, name, shape[-1])
+    return raw
+
+
+def storage_variables(spec, kind: type[nnx.Variable] = QuantBlocks):
+    """Zero-filled `kind` variables shaped like `expert_storage` (one, or an nnx.Dict of SoA fields)."""
+    if isinstance(spec, dict):
+        return nnx.Dict({k: kind(jnp.zeros(s.shape, s.dtype)) for k, s in spec.items()})
+    return kind(jnp.zeros(spec.shape, spec.dtype))
+
+
+def storage_values(v):
+    """The arrays held by `storage_variables` (a dict for SoA fields)."""
+    if isinstance(v, nnx.Dict):
+        return {k: x[...] for k, x in v.items()}
+    return v[...]

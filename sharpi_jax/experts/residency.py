@@ -1,6 +1,6 @@
 """Expert residency (spec speculative.md §4): hot routed experts in device slots, cold ones streamed.
 
-Each MoE trunk layer keeps a *slot stack*: the same storage as `moe.RoutedExperts` (GGUF blocks, SoA
+Each MoE trunk layer keeps a *slot stack*: the same storage as `provider.RoutedExperts` (GGUF blocks, SoA
 for Q8_0/Q4_K) with leading dim n_slots instead of n_expert, plus a LUT `[n_expert] -> slot | -1`.
 Because an expert's computation does not depend on the index it sits at, routing through
 `lut[sel]` into the slot stack gives the same bits as the full [E, ...] stack.
@@ -67,10 +67,13 @@ from jax.experimental import io_callback
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import dispatch
-from sharpi_jax.experts.streaming import (COLD_MODES, DEFAULT_STREAM_MIN_ROWS, MATRICES, Streamer,
-                                          expert_weights)
+from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, qtype_name, row_bytes, storage_values,
+                                               storage_variables, to_expert_storage)
+from sharpi_jax.experts.provider import EXPERT_MODES, RoutedExperts, field_of
+from sharpi_jax.experts.streaming import COLD_MODES, DEFAULT_STREAM_MIN_ROWS, MATRICES, Streamer
 from sharpi_jax.gguf.reader import GGUFFile
-from sharpi_jax.model.moe import expert_storage, storage_values, storage_variables, to_expert_storage
+from sharpi_jax.gguf.tensor_specs import expert_qtypes
+from sharpi_jax.model.weights import non_expert_bytes as model_non_expert_bytes
 
 POLICIES = ("static", "frequency", "lru", "slru")
 SLRU_PROTECTED_FRAC = 0.8
@@ -161,10 +164,6 @@ def _groups(specs) -> dict[tuple[int, int, int], int]:
 
 def _layer_geometry(f: GGUFFile, c: ModelConfig) -> dict[int, tuple[tuple[int, int, int], int]]:
     """{layer: (qtypes, bytes_per_expert)} of the MoE trunk layers, from the tensor table."""
-    from sharpi_jax.model.weights import expert_qtypes  # pylint: disable=import-outside-toplevel
-    from sharpi_jax.experts.expert_weights import row_bytes
-    from sharpi_jax.model.moe import qtype_name
-
     out = {}
     for i in range(c.n_layer if c.is_moe else 0):
         q = tuple(int(x) for x in expert_qtypes(f, i))
@@ -374,11 +373,6 @@ class _Stacked:
                             lambda e: self.b.dequant_expert(e - self.n_a, k_order), e)
 
 
-def _expert_rows(u, idx, experts, mode: str):
-    """Y [N, k, D] (unreduced) of pairs idx [N, k] through `experts`, as routed_experts computes them."""
-    if mode == "per_token":
-        return dispatch._per_token(u, idx, experts, "gemm")[0]  # pylint: disable=protected-access
-    return dispatch._grouped(u, idx, experts, dispatch.row_tiles(u.shape[0]))[0]  # pylint: disable=protected-access
 
 
 def _matrix_shape(spec: LayerSpec, m: str) -> tuple[int, int]:
@@ -406,13 +400,14 @@ class ResidentExperts(nnx.Module):
     (Writing the stack inside the first cond made XLA copy the whole stack on every miss.)
     """
 
-    resident = True
-
-    def __init__(self, spec: LayerSpec, streamer: Streamer, staged: nnx.Dict | None = None):
-        """staged: the staging buffer shared by the layers of this block-type mix (`staging_buffer`)."""
-    
+    def __init__(self, spec: LayerSpec, streamer: Streamer, staged: nnx.Dict | None = None, mode: str = "grouped"):
+        """staged: the staging buffer shared by the layers of this block-type mix (`staging_buffer`);
+        mode: the dispatch of device-resident experts ("grouped" | "per_token", bitwise equal)."""
+        if mode not in EXPERT_MODES:
+            raise ValueError(f"expert_mode must be one of {EXPERT_MODES}, got {mode!r}")
         self.spec = spec
         self.streamer = streamer
+        self.mode = mode
         S, E = spec.n_slots, spec.n_expert
         for j, m in enumerate(MATRICES):
             shape = (S,) + _matrix_shape(spec, m)
@@ -430,11 +425,11 @@ class ResidentExperts(nnx.Module):
     _SMALL = ("lut", "slot_expert", "stamp", "protected", "clock", "counts", "ctr")
 
     def _weights(self, stack):
-        return expert_weights(stack["gate"], stack["up"], stack["down"], self.spec.qtypes)
+        return ExpertWeights.from_storage(stack["gate"], stack["up"], stack["down"], self.spec.qtypes)
 
-    def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None,
-                 mode: str = "grouped") -> jax.Array:
-        s = self.spec
+    def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None) -> jax.Array:
+        """`moe.ExpertProvider`: the same rows as `routed_experts` on all experts, bit for bit."""
+        s, mode = self.spec, self.mode
         N, k = sel.shape
         E, S = s.n_expert, s.n_slots
         v = {name: storage_values(getattr(self, name)) for name in self._SMALL}
@@ -534,7 +529,7 @@ class ResidentExperts(nnx.Module):
         if S or n_stage:
             view = _Stacked(self._weights(stack) if S else None, self._weights(staged) if n_stage else None, S)
             idx_d = jnp.where(on_dev, idx, jnp.maximum(jnp.max(idx), 0))  # host pairs ride along a used expert
-            y_dev = jax.lax.cond(jnp.any(on_dev), lambda: _expert_rows(u, idx_d, view, mode),
+            y_dev = jax.lax.cond(jnp.any(on_dev), lambda: dispatch.expert_rows(u, idx_d, view, mode)[0],
                                  lambda: jnp.zeros((N, k, D), jnp.float32))
             y = jnp.where(on_dev[..., None], y_dev, res[-1]) if with_host else y_dev
         else:
@@ -588,33 +583,24 @@ class Residency:
         pinned = {i: s.resident[: s.n_pin] for i, s in plan.layers.items()}
         self.streamer = Streamer(f, sorted(plan.layers), config.d_model, config.expert_ff, pinned=pinned,
                                  counts=counts, prefetch_experts=prefetch_experts)
-        self._staging: dict = {}
+        self._pending: dict = {}  # SoA fields of the slot stack being loaded
 
     # ----- model construction -----
-    def experts_module(self, layer: int) -> ResidentExperts | None:
+    def experts_module(self, layer: int, mode: str, shared: dict) -> ResidentExperts | None:
         """The layer's ResidentExperts, or None when the layer is not managed (e.g. the MTP block).
-        Layers of one block-type mix share one staging buffer (created once per model build)."""
+        Layers of one block-type mix share one staging buffer, kept in `shared` (one per model build)."""
         spec = self.plan.layers.get(layer)
         if spec is None:
             return None
-        if spec.qtypes not in self._staging:
-            self._staging[spec.qtypes] = staging_buffer(spec)
-        return ResidentExperts(spec, self.streamer, self._staging[spec.qtypes])
+        if spec.qtypes not in shared:
+            shared[spec.qtypes] = staging_buffer(spec)
+        return ResidentExperts(spec, self.streamer, shared[spec.qtypes], mode)
 
-    def wrap_source(self, base: Callable[[tuple], Callable[[], Any]]) -> Callable[[tuple], Callable[[], Any]]:
-        """A weights.py param source that loads this plan's slot stacks and ring state."""
-        memo: dict = {}
-        self._staging = {}  # a new model build: new shared staging buffers
+    def source(self, layer: int, path: tuple) -> Callable[[], Any]:
+        """The loader of one param of the layer's ResidentExperts (slot stacks, LUT, ring state)."""
+        return lambda: self._param(layer, path[0], tuple(path[1:]))
 
-        def source(path: tuple):
-            if (len(path) >= 5 and path[0] == "layers" and tuple(path[2:4]) == ("ffn", "experts")
-                    and int(path[1]) in self.plan.layers):
-                return lambda: self._param(int(path[1]), path[4], tuple(path[5:]), memo)
-            return base(path)
-
-        return source
-
-    def _param(self, layer: int, name: str, rest: tuple, memo: dict):
+    def _param(self, layer: int, name: str, rest: tuple):
         spec = self.plan.layers[layer]
         ids = np.asarray(spec.resident, np.int64)
         S, E = spec.n_slots, spec.n_expert
@@ -626,14 +612,11 @@ class Residency:
             want = want[rest[1]] if len(rest) > 1 else want
             return np.zeros(want.shape, want.dtype)
         if name in MATRICES:
-            key = (layer, name)
-            if memo.get("key") != key:
-                memo.clear()
-                m = MATRICES.index(name)
-                view = self.streamer.sources[layer].views[m]
-                shape = (S, spec.d_model, spec.d_ff) if name == "down" else (S, spec.d_ff, spec.d_model)
-                memo.update(key=key, value=to_expert_storage(np.ascontiguousarray(view[ids]), shape, spec.qtypes[m]))
-            return memo["value"] if field is None else memo["value"][field]
+            m = MATRICES.index(name)
+            view = self.streamer.sources[layer].views[m]
+            shape = (S,) + _matrix_shape(spec, name)
+            return field_of(self._pending, (layer, name), field,
+                            lambda: to_expert_storage(np.ascontiguousarray(view[ids]), shape, spec.qtypes[m]))
         if name == "lut":
             lut = np.full(E, -1, np.int32)
             lut[ids] = np.arange(S, dtype=np.int32)
@@ -723,9 +706,7 @@ class Residency:
 
 def non_expert_bytes(f: GGUFFile, c: ModelConfig) -> int:
     """Device bytes of every param except the routed experts, as the loader holds them."""
-    from sharpi_jax.model.weights import non_expert_bytes as model_bytes  # pylint: disable=import-outside-toplevel
-
-    return model_bytes(f, c)
+    return model_non_expert_bytes(f, c)
 
 
 OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",

@@ -11,7 +11,7 @@ calls `Streamer.serve` once for that layer with every missing expert id. The cal
   straight from the mmap bytes, and returns their rows' outputs [N, k, D] (zeros elsewhere).
 
 Bit parity: host rows are computed by the same jitted expert code as the device path
-(`dispatch._grouped`, products of >= 2 rows, dequantized in storage K order) on the XLA:CPU backend,
+(`dispatch.expert_rows`, products of >= 2 rows, dequantized in storage K order) on the XLA:CPU backend,
 so on a CPU device they equal the device rows bit for bit. On a GPU device the host rows come from
 XLA:CPU and are not bitwise the GPU's (use `cold="stream"` there for bit parity).
 
@@ -41,10 +41,10 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from pallas_kernels import quant_blocks as qb
 from sharpi_jax.experts import dispatch
-from sharpi_jax.experts.expert_weights import ExpertWeights
+from sharpi_jax.experts.expert_weights import ExpertWeights, to_expert_storage
 from sharpi_jax.gguf.reader import GGUFFile
+from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
 
 # Bucket rows N from which "auto" streams cold experts instead of computing them on the host.
 # Measured on this project's CPU machine (2 shared cores, XLA:CPU device) with
@@ -58,7 +58,7 @@ from sharpi_jax.gguf.reader import GGUFFile
 DEFAULT_STREAM_MIN_ROWS = 8
 
 COLD_MODES = ("auto", "stream", "host")
-MATRICES = ("gate", "up", "down")
+MATRICES = EXPERT_MATRICES
 
 
 def staging_memory_kind() -> str:
@@ -78,31 +78,17 @@ def _next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _storage(raw, shape, qtype: int):
-    from sharpi_jax.model.moe import to_expert_storage  # pylint: disable=import-outside-toplevel
-
-    return to_expert_storage(raw, shape, qtype)
-
-
-def expert_weights(gate, up, down, qtypes: Sequence[int]) -> ExpertWeights:
-    """An ExpertWeights view of storage-form matrices, laid out as `moe.RoutedExperts.weights()` does."""
-    from sharpi_jax.model.moe import qtype_name  # pylint: disable=import-outside-toplevel
-
-    names = [qtype_name(q) for q in qtypes]
-    layout = "soa" if any(n in qb.QUANTIZED for n in names) else "gguf"
-    return ExpertWeights(gate, up, down, *names, layout)
-
-
 @functools.lru_cache(maxsize=None)
-def _host_fn(qtypes: tuple[int, int, int], d_ff: int, d_model: int, tiles: tuple[int, ...]):
+def _host_fn(qtypes: tuple[int, int, int], d_ff: int, d_model: int):
     """Jitted host computation: rows x [P, D] through local experts (raw GGUF bytes) -> [P, D]."""
 
     def fn(x, lsel, rg, ru, rd):
         n = rg.shape[0]
         F, D = d_ff, d_model
-        ew = expert_weights(_storage(rg, (n, F, D), qtypes[0]), _storage(ru, (n, F, D), qtypes[1]),
-                            _storage(rd, (n, D, F), qtypes[2]), qtypes)
-        y, _ = dispatch._grouped(x, lsel, ew, tiles)  # pylint: disable=protected-access
+        ew = ExpertWeights.from_storage(to_expert_storage(rg, (n, F, D), qtypes[0]),
+                                        to_expert_storage(ru, (n, F, D), qtypes[1]),
+                                        to_expert_storage(rd, (n, D, F), qtypes[2]), qtypes)
+        y, _ = dispatch.expert_rows(x, lsel, ew, "grouped")
         return y[:, 0]
 
     return jax.jit(fn)
@@ -112,17 +98,14 @@ class LayerSource:
     """One MoE layer's routed experts in the mmap: zero-copy [E, rows, row_bytes] views per matrix."""
 
     def __init__(self, f: GGUFFile, layer: int, d_model: int, d_ff: int):
-        from sharpi_jax.model.weights import _expert_raw, expert_qtypes  # pylint: disable=import-outside-toplevel
-
         self.layer = layer
         self.d_model, self.d_ff = d_model, d_ff
-        self.views = tuple(_expert_raw(f, f"blk.{layer}", m) for m in MATRICES)
+        self.views = tuple(expert_raw(f, layer, m) for m in MATRICES)
         self.qtypes = tuple(int(q) for q in expert_qtypes(f, layer))
         self.n_expert = self.views[0].shape[0]
         self.bytes_per_expert = sum(int(v[0].nbytes) for v in self.views)
-        base = np.frombuffer(f._mmap, np.uint8).ctypes.data  # pylint: disable=protected-access
         # Per matrix: (file offset of expert 0, stride between experts, bytes of one expert).
-        self.ranges = tuple((v.ctypes.data - base, v.strides[0], int(v[0].nbytes)) for v in self.views)
+        self.ranges = tuple((f.offset_of(v), v.strides[0], int(v[0].nbytes)) for v in self.views)
 
 
 class Streamer:
@@ -238,7 +221,7 @@ class Streamer:
             r = np.zeros((n_loc,) + view.shape[1:], np.uint8)
             r[: hosted.size] = view[hosted]
             raws.append(r)
-        fn = _host_fn(src.qtypes, src.d_ff, src.d_model, dispatch.row_tiles(P))
+        fn = _host_fn(src.qtypes, src.d_ff, src.d_model)
         with jax.default_device(jax.devices("cpu")[0]):
             out = np.asarray(fn(x, lsel, *raws))
         y[rows, ranks] = out[:n_pairs]

@@ -1,7 +1,8 @@
 """The GGUF layer: mmap'd reader, ggml block dequantization, tokenizer, model-tensor table."""
 
 from sharpi_jax.gguf.reader import GGUFFile, TensorInfo, open_gguf
-from sharpi_jax.gguf.tensor_specs import TensorSpec, model_tensor_specs, validate_tensors
+from sharpi_jax.gguf.tensor_specs import (EXPERT_MATRICES, TensorSpec, expert_qtypes, expert_raw, model_tensor_specs,
+                                         validate_tensors)
 
 
 def read_model_config(f: GGUFFile, validate: bool = True):
@@ -15,5 +16,5 @@ def read_model_config(f: GGUFFile, validate: bool = True):
     return config
 
 
-__all__ = ["GGUFFile", "TensorInfo", "TensorSpec", "model_tensor_specs", "open_gguf", "read_model_config",
-           "validate_tensors"]
+__all__ = ["EXPERT_MATRICES", "GGUFFile", "TensorInfo", "TensorSpec", "expert_qtypes", "expert_raw",
+           "model_tensor_specs", "open_gguf", "read_model_config", "validate_tensors"]

@@ -299,6 +299,14 @@ class GGUFFile:
         t = self.tensor(name)
         return quants.dequantize(self.raw(name), t.qtype, t.shape, name=f"{self.source}:{name}")
 
+    def offset_of(self, view: np.ndarray) -> int:
+        """The file offset of the first byte of a view returned by `raw()` (or a slice of one)."""
+        base = np.frombuffer(self._mmap, np.uint8).ctypes.data
+        off = view.ctypes.data - base
+        if not 0 <= off < self.file_size:
+            raise ValueError(f"{self.source}: the array is not a view of this file's mapping")
+        return int(off)
+
     def advise_willneed(self, offset: int, length: int) -> None:
         """Hint the kernel to prefetch a byte range (used when streaming cold experts)."""
         if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_WILLNEED"):

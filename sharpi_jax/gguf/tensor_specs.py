@@ -8,11 +8,17 @@ ggml's `ne`), so a GGUF `{D, F, E}` tensor is `(E, F, D)` here.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import GGUFError
+
+if TYPE_CHECKING:
+    from sharpi_jax.gguf.reader import GGUFFile
+
+EXPERT_MATRICES = ("gate", "up", "down")  # routed-expert matrices of a MoE block, in table order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +144,30 @@ def expert_tensor_bytes(c: ModelConfig, nbytes: dict[str, int]) -> tuple[int, in
     """(routed-expert bytes, all other bytes) of a model whose tensor sizes are `nbytes`."""
     expert = sum(n for name, n in nbytes.items() if "_exps." in name)
     return expert, int(np.sum(list(nbytes.values()), dtype=np.int64)) - expert
+
+
+def expert_raw(f: "GGUFFile", layer: int, which: str) -> np.ndarray:
+    """Block `layer`'s routed `which` ("gate" | "up" | "down") experts: a zero-copy uint8 view
+    [E, rows, row bytes], also from a `ffn_gate_up_exps` tensor (llama.cpp --fuse-gate-up-exps:
+    [E, 2F, ...], gate rows first)."""
+    p = f"blk.{layer}"
+    name = f"{p}.ffn_{which}_exps.weight"
+    if name in f.tensors:
+        return f.raw(name)
+    fused = f"{p}.ffn_gate_up_exps.weight"
+    if which in ("gate", "up") and fused in f.tensors:
+        raw = f.raw(fused)
+        F = raw.shape[1] // 2
+        return raw[:, :F] if which == "gate" else raw[:, F:]
+    raise GGUFError(f"{f.source}: missing expert tensor {name!r}")
+
+
+def expert_qtypes(f: "GGUFFile", layer: int) -> tuple[int, int, int]:
+    """ggml type ids of block `layer`'s routed gate, up and down experts."""
+    p = f"blk.{layer}"
+    out = []
+    for which in EXPERT_MATRICES:
+        name = f"{p}.ffn_{which}_exps.weight"
+        src = name if name in f.tensors or which == "down" else f"{p}.ffn_gate_up_exps.weight"
+        out.append(int(f.tensor(src).qtype))
+    return tuple(out)  # type: ignore[return-value]

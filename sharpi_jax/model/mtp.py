@@ -30,9 +30,8 @@ from sharpi_jax.model.transformer import Block, TokenEmbedding
 class MTPHead(nnx.Module):
     """The MTP block of a qwen35moe / qwen35 / qwen3next model with its embedding and LM head."""
 
-    def __init__(self, c: ModelConfig, expert_qtypes: tuple[int, int, int] | None = None,
-                 expert_mode: str = "grouped"):
-        """expert_qtypes: (gate, up, down) ggml types of the block's routed experts (MoE archs)."""
+    def __init__(self, c: ModelConfig, experts: nnx.Module | None = None):
+        """experts: the block's routed experts (a `moe.ExpertProvider`; MoE archs)."""
         if not c.has_mtp:
             raise ValueError("config has no MTP block (nextn_predict_layers = 0)")
         self.config = c
@@ -41,7 +40,7 @@ class MTPHead(nnx.Module):
         self.enorm = RMSNorm(D, c.rms_eps)
         self.hnorm = RMSNorm(D, c.rms_eps)
         self.eh_proj = Linear(2 * D, D)
-        self.block = Block(c, c.mtp_layer, expert_qtypes, expert_mode)
+        self.block = Block(c, c.mtp_layer, experts)
         self.shared_head_norm = RMSNorm(D, c.rms_eps)
         self.lm_head = Linear(D, c.n_vocab)
 

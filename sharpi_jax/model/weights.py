@@ -4,14 +4,15 @@ Every matrix keeps its GGUF encoding: a Linear holds the file's `[out, in]` rows
 layout the `MatrixFormat` chooses (kernel backend + explicit repacking, `sharpi_jax.quant`); fused
 projections stack their parts' rows: attention [q+gate | k | v], GDN [qkv | z | beta | alpha], router
 [E experts | shared-expert gate], SwiGLU [gate | up] (parts of different ggml types stay separate
-QTensors). `token_embd` is a QTensor too (a lookup dequantizes the rows it gathers); routed experts stay
-in their storage form (`moe.expert_storage`). Norms, conv, ssm_a and dt bias are float32 vectors. The
-skeleton comes from `nnx.eval_shape`, so nothing is allocated twice.
+QTensors). `token_embd` is a QTensor too (a lookup dequantizes the rows it gathers); the routed
+experts' modules and params come from an `ExpertLoader` (`sharpi_jax.experts`). Norms, conv, ssm_a
+and dt bias are float32 vectors. The skeleton comes from `nnx.eval_shape`, so nothing is allocated
+twice.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +23,23 @@ from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import GGUFError
 from sharpi_jax.gguf import quants
 from sharpi_jax.gguf.reader import GGUFFile
-from sharpi_jax.model.moe import to_expert_storage
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.model.transformer import Block, Transformer
 from sharpi_jax.quant import MatrixFormat, QTensor, abstract, pack_rows
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for files at least this large
+Source = Callable[[], Any]  # loads one param's value
+
+
+class ExpertLoader(Protocol):
+    """The routed experts of a MoE model: each block's provider module and the loader of its params."""
+
+    def modules(self) -> Callable[[int], nnx.Module]:
+        """A factory for one model build: layer -> that block's routed experts (a `moe.ExpertProvider`,
+        zero-filled; `source` loads its params). The modules of one build may share variables."""
+
+    def source(self, layer: int, path: tuple) -> Source:
+        """The loader of one param of that module, by its path inside the module."""
 
 
 def _float(f: GGUFFile, name: str) -> np.ndarray:
@@ -80,50 +92,6 @@ def _split_ba(f: GGUFFile, name: str, c: ModelConfig) -> list[tuple[int, np.ndar
             (qtype, np.ascontiguousarray(raw[:, r:]).reshape(Hk * r, -1), cols)]
 
 
-def _expert_storage(f: GGUFFile, c: ModelConfig, layer: int, which: str, field: str | None, memo: dict):
-    """Routed expert matrix `which` of a layer in its storage form (`moe.to_expert_storage`), or one
-    SoA field of it. `memo` holds the last converted matrix, so its fields convert once."""
-    key = (layer, which)
-    if memo.get("key") != key:
-        memo.clear()  # drop the previous matrix before converting the next
-        shape = (c.n_expert, c.d_model, c.expert_ff) if which == "down" else (c.n_expert, c.expert_ff, c.d_model)
-        qtype = expert_qtypes(f, layer)[("gate", "up", "down").index(which)]
-        memo.update(key=key, value=to_expert_storage(_expert_raw(f, f"blk.{layer}", which), shape, qtype))
-    return memo["value"] if field is None else memo["value"][field]
-
-
-def _expert_raw(f: GGUFFile, p: str, which: str) -> np.ndarray:
-    name = f"{p}.ffn_{which}_exps.weight"
-    if name in f.tensors:
-        return f.raw(name)
-    fused = f"{p}.ffn_gate_up_exps.weight"  # --fuse-gate-up-exps: [E, 2F, ...], gate rows first
-    if which in ("gate", "up") and fused in f.tensors:
-        raw = f.raw(fused)
-        F = raw.shape[1] // 2
-        return raw[:, :F] if which == "gate" else raw[:, F:]
-    raise GGUFError(f"{f.source}: missing expert tensor {name!r}")
-
-
-def expert_qtypes(f: GGUFFile, layer: int) -> tuple[int, int, int]:
-    """ggml types of block `layer`'s routed gate, up and down experts."""
-    p = f"blk.{layer}"
-    out = []
-    for which in ("gate", "up", "down"):
-        name = f"{p}.ffn_{which}_exps.weight"
-        src = name if name in f.tensors or which == "down" else f"{p}.ffn_gate_up_exps.weight"
-        out.append(int(f.tensor(src).qtype))
-    return tuple(out)  # type: ignore[return-value]
-
-
-def _qtypes(f: GGUFFile, c: ModelConfig) -> dict[str, int]:
-    """ggml types of the routed experts, keyed by their canonical name."""
-    q = {}
-    for i in range(c.n_layer if c.is_moe else 0):
-        for which, qt in zip(("gate", "up", "down"), expert_qtypes(f, i)):
-            q[f"blk.{i}.ffn_{which}_exps.weight"] = qt
-    return q
-
-
 def non_expert_bytes(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat = MatrixFormat()) -> int:
     """Device bytes of every trunk and MTP tensor but the routed experts, as `load_model` / `load_mtp`
     hold them in `fmt` (from the tensor table and layouts: nothing is read or allocated)."""
@@ -150,7 +118,8 @@ def _embedding(f: GGUFFile, name: str) -> QTensor:
     return pack_rows(raw, qtype, cols, layout)
 
 
-def _param_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, path: tuple, memo: dict) -> Callable[[], Any]:
+def _param_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, path: tuple,
+                  experts: ExpertLoader | None) -> Source:
     """The loader of one param, by its nnx path."""
     if path == ("embed", "table"):
         return lambda: _embedding(f, "token_embd.weight")
@@ -161,16 +130,16 @@ def _param_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, path: tuple, m
         return lambda: _rows(f, fmt, head)
     if path[0] != "layers":
         raise KeyError(path)
-    return _block_source(f, c, fmt, path[1], tuple(path[2:]), memo)
+    return _block_source(f, c, fmt, path[1], tuple(path[2:]), experts)
 
 
-def _block_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, i: int, rest: tuple, memo: dict
-                  ) -> Callable[[], Any]:
+def _block_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, i: int, rest: tuple,
+                  experts: ExpertLoader | None) -> Source:
     """The loader of one param of block `i` (trunk or MTP), by its path inside the Block."""
     p = f"blk.{i}"
     rows = lambda *names: _rows(f, fmt, *names)  # noqa: E731
-    if rest[:2] == ("ffn", "experts") and len(rest) in (3, 4):
-        return lambda: _expert_storage(f, c, i, rest[2], rest[3] if len(rest) == 4 else None, memo)
+    if rest[:2] == ("ffn", "experts") and experts is not None:
+        return experts.source(i, tuple(rest[2:]))
     simple = {
         ("attn_norm", "weight"): lambda: _vector(f, f"{p}.attn_norm.weight"),
         ("post_norm", "weight"): lambda: _vector(f, f"{p}.post_attention_norm.weight"),
@@ -258,35 +227,37 @@ def _fill(f: GGUFFile, make: Callable[[], nnx.Module], source: Callable[[tuple],
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def load_model(f: GGUFFile, config: ModelConfig, progress: bool | None = None,
-               expert_mode: str = "grouped", residency=None, fmt: MatrixFormat = MatrixFormat()) -> Transformer:
-    """Build the Transformer (trunk) of an open GGUF. progress=None shows a tqdm bar for large files.
-    residency: a `sharpi_jax.experts.residency.Residency`: routed experts go into its device slots
-    (only the resident ones are read) instead of whole [E, ...] stacks. fmt: how matrices are held."""
+def _experts_for(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None) -> ExpertLoader | None:
+    if config.is_moe and experts is None:
+        raise GGUFError(f"{f.source}: a MoE model needs an expert loader (sharpi_jax.experts.GGUFExperts)")
+    return experts
+
+
+def load_model(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None = None,
+               progress: bool | None = None, fmt: MatrixFormat = MatrixFormat()) -> Transformer:
+    """Build the Transformer (trunk) of an open GGUF; `experts` provides the routed experts of MoE
+    models (`sharpi_jax.experts.GGUFExperts`: whole stacks, or device slots under an expert budget);
+    `fmt` how the other matrices are held. progress=None shows a tqdm bar for large files."""
     _check_supported(f)
+    experts = _experts_for(f, config, experts)
     if progress is None:
         progress = f.file_size >= PROGRESS_MIN_BYTES
-    qtypes = _qtypes(f, config)
-    memo: dict = {}
-    source = lambda path: _param_source(f, config, fmt, path, memo)  # noqa: E731
-    if residency is not None:
-        source = residency.wrap_source(source)
-    return _fill(f, lambda: Transformer(config, qtypes, expert_mode, residency), source, progress)
+    return _fill(f, lambda: Transformer(config, experts.modules() if experts is not None else None),
+                 lambda path: _param_source(f, config, fmt, path, experts), progress)
 
 
-def load_block(f: GGUFFile, config: ModelConfig, layer: int, expert_mode: str = "grouped",
+def load_block(f: GGUFFile, config: ModelConfig, layer: int, experts: ExpertLoader | None = None,
                fmt: MatrixFormat = MatrixFormat()) -> Block:
     """One decoder block `blk.{layer}` with the trunk's layout and conventions, e.g. the MTP block's
     attention + FFN (`layer = config.mtp_layer`; its `nextn.*` extras are not part of a Block)."""
     _check_supported(f)
-    eq = expert_qtypes(f, layer) if config.is_moe else None
-    memo: dict = {}
-    return _fill(f, lambda: Block(config, layer, eq, expert_mode),
-                 lambda path: _block_source(f, config, fmt, layer, path, memo), False)
+    experts = _experts_for(f, config, experts)
+    return _fill(f, lambda: Block(config, layer, experts.modules()(layer) if experts is not None else None),
+                 lambda path: _block_source(f, config, fmt, layer, path, experts), False)
 
 
 def _mtp_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, trunk: Transformer | None, path: tuple,
-                memo: dict) -> Callable[[], Any]:
+                experts: ExpertLoader | None) -> Source:
     """The loader of one MTPHead param (nextn.* extras with their trunk fallbacks: embedding and LM
     head are the trunk's unless the file has nextn.embed_tokens / nextn.shared_head_head)."""
     p = f"blk.{c.mtp_layer}"
@@ -314,17 +285,17 @@ def _mtp_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, trunk: Transform
         return simple[path]
     if path[0] != "block":
         raise KeyError(path)
-    return _block_source(f, c, fmt, c.mtp_layer, tuple(path[1:]), memo)
+    return _block_source(f, c, fmt, c.mtp_layer, tuple(path[1:]), experts)
 
 
 def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
-             expert_mode: str = "grouped", fmt: MatrixFormat = MatrixFormat()) -> MTPHead:
+             experts: ExpertLoader | None = None, fmt: MatrixFormat = MatrixFormat()) -> MTPHead:
     """The MTP head of an open GGUF (`config.has_mtp`). With `trunk`, the shared embedding and LM head
-    are the trunk's arrays (no copies); without, they are loaded from the file."""
+    are the trunk's arrays (no copies); without, they are loaded from the file. `experts`: as for
+    `load_model` (the MTP block's experts are always whole stacks)."""
     _check_supported(f)
     if not config.has_mtp:
         raise GGUFError(f"{f.source}: the model has no MTP block (nextn_predict_layers = 0)")
-    eq = expert_qtypes(f, config.mtp_layer) if config.is_moe else None
-    memo: dict = {}
-    return _fill(f, lambda: MTPHead(config, eq, expert_mode),
-                 lambda path: _mtp_source(f, config, fmt, trunk, path, memo), False)
+    experts = _experts_for(f, config, experts)
+    return _fill(f, lambda: MTPHead(config, experts.modules()(config.mtp_layer) if experts is not None else None),
+                 lambda path: _mtp_source(f, config, fmt, trunk, path, experts), False)

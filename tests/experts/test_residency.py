@@ -16,9 +16,9 @@ import sharpi_jax as sj
 from sharpi_jax.config import tiny_qwen35moe
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import residency
+from sharpi_jax.experts.expert_weights import to_expert_storage
 from sharpi_jax.experts.streaming import MATRICES
 from sharpi_jax.gguf import GGUFFile, read_model_config
-from sharpi_jax.model.moe import to_expert_storage
 from sharpi_jax.testing import write_synthetic_gguf
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_path

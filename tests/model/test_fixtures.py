@@ -125,7 +125,7 @@ def test_mtp_block_loads_with_trunk_layout():
 
     e = engine("tiny-qwen35moe", "Q4_K_M")
     c = e.config
-    blk = load_block(e.gguf, c, c.mtp_layer)
+    blk = load_block(e.gguf, c, c.mtp_layer, e.experts)
     assert isinstance(blk.mixer, GatedAttention) and not blk.is_recurrent
     assert blk.ffn.experts.qtypes == tuple(int(e.gguf.tensor(f"blk.{c.mtp_layer}.ffn_{w}_exps.weight").qtype)
                                            for w in ("gate", "up", "down"))

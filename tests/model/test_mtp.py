@@ -78,14 +78,14 @@ def test_mtp_logits_quantized(name, variant):
 def test_mtp_shares_trunk_arrays():
     """The head uses the trunk's embedding and LM head arrays (no copies) and its own norms/projection."""
     e = engine("tiny-qwen35moe", "F32")
-    h = load_mtp(e.gguf, e.config, e.model)
+    h = load_mtp(e.gguf, e.config, e.model, e.experts)
     same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
     assert same(h.embed.table.get_value(), e.model.embed.table.get_value())
     assert same(h.lm_head.w.get_value(), e.model.lm_head.w.get_value())
     p = f"blk.{e.config.mtp_layer}"
     assert_bitwise_equal(np.asarray(h.shared_head_norm.weight[...]), e.gguf.array(f"{p}.nextn.shared_head_norm.weight"))
     assert_bitwise_equal(np.asarray(h.eh_proj.dequantize()), e.gguf.array(f"{p}.nextn.eh_proj.weight"))
-    standalone = load_mtp(e.gguf, e.config)  # no trunk: loaded from the file, same bits
+    standalone = load_mtp(e.gguf, e.config, experts=e.experts)  # no trunk: loaded from the file, same bits
     assert_bitwise_equal(standalone.lm_head.dequantize(), h.lm_head.dequantize())
 
 

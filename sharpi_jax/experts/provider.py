@@ -1,0 +1,118 @@
+"""The routed experts a MoE block calls (`model.moe.ExpertProvider`), built and loaded from an open GGUF.
+
+- `RoutedExperts`: one layer's whole expert stacks in their storage form (`expert_weights.expert_storage`:
+  Q8_0 / Q4_K as SoA fields, F32 / F16 as floats, other types as raw GGUF rows), dispatched by
+  `dispatch.routed_experts` (grouped or per-token, bitwise equal).
+- `GGUFExperts`: the model loader's `ExpertLoader` for a GGUF: per MoE block a `RoutedExperts`, or,
+  with an expert budget, the residency's `ResidentExperts` (device slots + streaming), and the loaders
+  of their params.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from sharpi_jax.config import ModelConfig
+from sharpi_jax.experts.dispatch import routed_experts
+from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, qtype_name, storage_values,
+                                               storage_variables, to_expert_storage)
+from sharpi_jax.gguf.reader import GGUFFile
+from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
+
+EXPERT_MODES = ("grouped", "per_token")  # bitwise equal per row; grouped reads each expert once per batch
+# "pallas" (sj.load(kernels="pallas")): the Pallas grouped-matmul + weighted-reduce kernels, with in-kernel
+# dequantization of these expert types; a layer whose experts have another type keeps "grouped".
+PALLAS_MODE = "pallas"
+PALLAS_EXPERT_TYPES = ("f32", "f16", "q8_0", "q4_k")
+
+
+def matrix_shape(n: int, d_model: int, d_ff: int, which: str) -> tuple[int, int, int]:
+    """Numpy shape of `n` experts' `which` matrix: gate / up [n, F, D], down [n, D, F]."""
+    return (n, d_model, d_ff) if which == "down" else (n, d_ff, d_model)
+
+
+class RoutedExperts(nnx.Module):
+    """One layer's routed experts: gate/up [E, F, D] and down [E, D, F] in storage form + static qtypes."""
+
+    def __init__(self, n_expert: int, d_model: int, d_ff: int, qtypes: tuple[int, int, int],
+                 mode: str = "grouped"):
+        """qtypes: (gate, up, down) ggml type ids; mode: the dispatch ("grouped" | "per_token" | "pallas")."""
+        if mode not in (*EXPERT_MODES, PALLAS_MODE):
+            raise ValueError(f"expert_mode must be one of {EXPERT_MODES} or {PALLAS_MODE!r}, got {mode!r}")
+        if mode == PALLAS_MODE and any(qtype_name(q) not in PALLAS_EXPERT_TYPES for q in qtypes):
+            mode = "grouped"
+        self.n_expert, self.d_model, self.d_ff, self.mode = n_expert, d_model, d_ff, mode
+        self.qtypes = tuple(int(q) for q in qtypes)
+        for which, q in zip(EXPERT_MATRICES, self.qtypes):
+            setattr(self, which, storage_variables(expert_storage(matrix_shape(n_expert, d_model, d_ff, which), q)))
+
+    def weights(self) -> ExpertWeights:
+        """The dispatch module's view of these experts (no copy)."""
+        return ExpertWeights.from_storage(storage_values(self.gate), storage_values(self.up),
+                                          storage_values(self.down), self.qtypes)
+
+    def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """`moe.ExpertProvider`: padding rows already carry zero weights, so `valid` is not needed."""
+        return routed_experts(u, sel, w, self.weights(), mode=self.mode)
+
+
+class GGUFExperts:
+    """The routed experts of an open GGUF for `model.weights.load_model` / `load_mtp` / `load_block`.
+
+    residency: a `residency.Residency` (an expert budget): the layers it manages get device slots;
+    the others (the MTP block) whole stacks.
+    """
+
+    def __init__(self, f: GGUFFile, config: ModelConfig, mode: str = "grouped", residency: Any = None):
+        if mode not in (*EXPERT_MODES, PALLAS_MODE):
+            raise ValueError(f"expert_mode must be one of {EXPERT_MODES} or {PALLAS_MODE!r}, got {mode!r}")
+        self.gguf, self.config, self.mode, self.residency = f, config, mode, residency
+        self._pending: dict = {}  # SoA fields of the matrix being loaded
+
+    def modules(self) -> Callable[[int], nnx.Module]:
+        """A factory for one model build (layers of one build share the residency's staging buffers)."""
+        c = self.config
+        shared: dict = {}
+
+        def make(layer: int) -> nnx.Module:
+            if self.residency is not None:
+                m = self.residency.experts_module(layer, self.mode, shared)
+                if m is not None:
+                    return m
+            return RoutedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer), self.mode)
+
+        return make
+
+    def source(self, layer: int, path: tuple) -> Callable[[], Any]:
+        """The loader of one param of `modules()(layer)`, by its path inside that module."""
+        if self.residency is not None and layer in self.residency.plan.layers:
+            return self.residency.source(layer, path)
+        if len(path) not in (1, 2) or path[0] not in EXPERT_MATRICES:
+            raise KeyError(path)
+        return lambda: self._storage(layer, path[0], path[1] if len(path) == 2 else None)
+
+    def _storage(self, layer: int, which: str, field: str | None):
+        """Expert matrix `which` of a layer in its storage form, or one SoA field of it."""
+        c = self.config
+        qtype = expert_qtypes(self.gguf, layer)[EXPERT_MATRICES.index(which)]
+        shape = matrix_shape(c.n_expert, c.d_model, c.expert_ff, which)
+        return field_of(self._pending, (layer, which), field,
+                        lambda: to_expert_storage(expert_raw(self.gguf, layer, which), shape, qtype))
+
+
+def field_of(pending: dict, key: Any, field: str | None, convert: Callable[[], Any]):
+    """`convert()` (an array, or a dict of SoA fields), or its `field`: a dict is converted once and its
+    fields are handed out one by one from `pending` (dropped as they go: no copy outlives the load)."""
+    if field is None:
+        return convert()
+    if key not in pending:
+        pending.clear()  # a new matrix: the previous one's fields are no longer wanted
+        pending[key] = dict(convert())
+    fields = pending[key]
+    value = fields.pop(field)
+    if not fields:
+        del pending[key]
+    return value
