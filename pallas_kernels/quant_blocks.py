@@ -1,4 +1,7 @@
-"""ggml block formats (Q8_0, Q4_K) as jnp, bitwise equal to `gguf.quants`.
+"""Kernel-side layouts of ggml Q8_0 / Q4_K blocks and their in-tile dequantization, bitwise equal to
+`gguf.quants`. The GGUF-layout dequantizer of every block type is `sharpi_jax.gguf.quants` (the one
+implementation the tests compare everything against); this module only re-lays the same bytes out for
+XLA:CPU and the Pallas kernels (it imports no sharpi_jax code).
 
 Three layouts of the same bits:
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK8_0 = 32
 Q8_0_TYPE_SIZE = 34
@@ -32,13 +36,9 @@ QK_K = 256
 Q4_K_TYPE_SIZE = 144
 Q4_K_SCALE_SIZE = 12
 
-# qtype name -> (block_size, type_size). "f32"/"f16" are one-element "blocks".
+# qtype name -> (block_size, type_size), from gguf's table. "f32"/"f16" are one-element "blocks".
 BLOCK_SIZES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "q8_0": (QK8_0, Q8_0_TYPE_SIZE),
-    "q4_k": (QK_K, Q4_K_TYPE_SIZE),
-}
+    q: tuple(GGML_QUANT_SIZES[GGMLQuantizationType[q.upper()]]) for q in ("f32", "f16", "q8_0", "q4_k")}
 QUANTIZED = ("q8_0", "q4_k")
 
 
@@ -50,19 +50,7 @@ def row_bytes(qtype: str, n_cols: int) -> int:
     return n_cols // block * size
 
 
-def _f16(b: jax.Array) -> jax.Array:
-    """uint8[..., 2] little-endian -> float32[...] through float16 (exact)."""
-    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
-
-
-# ----------------------------------------------------------------------------- GGUF layout
-
-
-def dequantize_q8_0(blocks: jax.Array) -> jax.Array:
-    """uint8[..., 34] Q8_0 blocks -> float32[..., 32] (gguf.quants.Q8_0.dequantize_blocks)."""
-    d = _f16(blocks[..., 0:2])[..., None]
-    x = jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.float32)
-    return x * d
+# ----------------------------------------------------------------------------- scales
 
 
 def q4_k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -71,33 +59,6 @@ def q4_k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
     return sc, mn
-
-
-def dequantize_q4_k(blocks: jax.Array) -> jax.Array:
-    """uint8[..., 144] Q4_K blocks -> float32[..., 256] (gguf.quants.Q4_K.dequantize_blocks)."""
-    lead = blocks.shape[:-1]
-    d = _f16(blocks[..., 0:2])
-    dmin = _f16(blocks[..., 2:4])
-    sc, mn = q4_k_scale_min(blocks[..., 4:16])
-    qs = blocks[..., 16:]
-    d = (d[..., None] * sc.astype(jnp.float32))[..., None]  # [..., 8, 1]
-    dm = (dmin[..., None] * mn.astype(jnp.float32))[..., None]
-    qs = qs.reshape(lead + (4, 1, 32)) >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)
-    qs = (qs & jnp.uint8(0x0F)).reshape(lead + (8, 32)).astype(jnp.float32)
-    return (d * qs - dm).reshape(lead + (QK_K,))
-
-
-def dequantize_rows(raw: jax.Array, qtype: str, n_cols: int) -> jax.Array:
-    """GGUF-layout rows `[..., row_bytes]` (or float rows for f32/f16) -> float32 `[..., n_cols]`."""
-    if qtype == "f32":
-        return raw.astype(jnp.float32)
-    if qtype == "f16":
-        return raw.astype(jnp.float32)
-    block, size = BLOCK_SIZES[qtype]
-    lead = raw.shape[:-1]
-    blocks = raw.reshape(lead + (n_cols // block, size))
-    fn = {"q8_0": dequantize_q8_0, "q4_k": dequantize_q4_k}[qtype]
-    return fn(blocks).reshape(lead + (n_cols,))
 
 
 # ----------------------------------------------------------------------------- SoA layout

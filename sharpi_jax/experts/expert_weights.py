@@ -8,8 +8,9 @@ Float weights are float32 (or float16) arrays of exactly these shapes. Quantized
 bytes: `uint8[E, F, D / block * type_size]` for gate/up and `uint8[E, D, F / block * type_size]` for
 down, with one qtype per matrix (a Q4_K_M file mixes Q4_K gate/up with a Q6_K/Q5_K down).
 
-Q8_0 and Q4_K dequantize in-tree (`pallas_kernels.quant_blocks`, bitwise equal to `gguf.quants`);
-any other ggml type goes through `sharpi_jax.gguf.quants.dequantize_blocks` when that module exists.
+GGUF-layout blocks of every type dequantize through the one block dequantizer,
+`sharpi_jax.gguf.quants` (bitwise equal to gguf-py); the SoA layout's own Q8_0 / Q4_K dequantization
+(`pallas_kernels.quant_blocks`) is tested bitwise against it.
 
 Layout "gguf" keeps the file's interleaved blocks; layout "soa" (`ExpertWeights.to_soa()`, once at
 load time) splits Q8_0/Q4_K blocks into one array per field: the same bytes, but XLA:CPU vectorizes
@@ -35,6 +36,7 @@ from flax import nnx
 from pallas_kernels import quant_blocks as qb
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.layers import QuantBlocks, blocks_shape
+from sharpi_jax.model.layers import dequantize_rows as dequantize_gguf_rows
 
 FLOAT_QTYPES = ("f32", "f16")
 
@@ -45,8 +47,6 @@ def _gguf_type(qtype: str) -> gguf.GGMLQuantizationType:
 
 def block_geometry(qtype: str) -> tuple[int, int]:
     """(weights per block, bytes per block) of a qtype name ("f32", "q8_0", "q4_k", "q6_k", ...)."""
-    if qtype in qb.BLOCK_SIZES:
-        return qb.BLOCK_SIZES[qtype]
     return tuple(gguf.GGML_QUANT_SIZES[_gguf_type(qtype)])
 
 
@@ -59,18 +59,11 @@ def row_bytes(qtype: str, n_cols: int) -> int:
 
 
 def dequantize_rows(raw: jax.Array, qtype: str, n_cols: int) -> jax.Array:
-    """Rows in storage format -> float32 `[..., n_cols]` (jittable, exact)."""
-    if qtype in FLOAT_QTYPES or qtype in qb.QUANTIZED:
-        return qb.dequantize_rows(raw, qtype, n_cols)
-    try:  # other ggml types: the gguf module of sharpi_jax, written alongside this one.
-        from sharpi_jax.gguf import quants as sj_quants  # pylint: disable=import-outside-toplevel
-    except ImportError as e:  # pragma: no cover - depends on the rest of the tree
-        raise NotImplementedError(f"expert weights in {qtype} need sharpi_jax.gguf.quants") from e
-    block, size = block_geometry(qtype)
-    lead = raw.shape[:-1]
-    blocks = raw.reshape((-1, size))
-    out = sj_quants.dequantize_blocks(blocks, _gguf_type(qtype))
-    return jnp.asarray(out, jnp.float32).reshape(lead + (n_cols,))
+    """Rows in storage format -> float32 `[..., n_cols]` (jittable, exact): float rows as they are,
+    quantized GGUF rows through the one block dequantizer, `sharpi_jax.gguf.quants`."""
+    if qtype in FLOAT_QTYPES:
+        return raw.astype(jnp.float32)
+    return dequantize_gguf_rows(raw, int(_gguf_type(qtype)), n_cols)
 
 
 @functools.partial(
