@@ -5,7 +5,8 @@ up, the head's own previous output when drafting):
 
     c  = [RMSNorm(embed(x), enorm) ; RMSNorm(h, hnorm)]       # embedding FIRST
     u  = eh_proj c                                            # [2D] -> [D]
-    y  = Block(u)     # gated attention over the head's OWN KV cache, then MoE (or dense SwiGLU) FFN
+    y  = Block(u)     # the trunk's block type: gated attention over the head's OWN KV cache
+                      # (an AttnCache), then MoE (or dense SwiGLU) FFN
     h' = RMSNorm(y, shared_head_norm)                         # chained into the next draft step
     logits = lm_head h'
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharpi_jax.config import ModelConfig
+from sharpi_jax.model.cache import AttnCache
 from sharpi_jax.model.layers import Linear, RMSNorm
 from sharpi_jax.model.transformer import Block, TokenEmbedding
 
@@ -45,20 +47,17 @@ class MTPHead(nnx.Module):
         self.lm_head = Linear(D, c.n_vocab)
 
     def __call__(self, tokens: jax.Array, h: jax.Array, start: jax.Array, n_valid: jax.Array,
-                 cache_k: jax.Array, cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 cache: AttnCache) -> tuple[jax.Array, AttnCache]:
         """Rows (tokens [T], h [T, D]) at positions start.. (rows >= n_valid are padding: no KV write,
-        zero-weight experts). Returns (h' [T, D] post shared_head_norm, cache_k, cache_v)."""
+        zero-weight experts), over the head's own KV cache. Returns (h' [T, D] post shared_head_norm,
+        cache)."""
         T = tokens.shape[0]
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + rows
         valid = rows < n_valid
         c = jnp.concatenate([self.enorm(self.embed(tokens)), self.hnorm(h)], axis=-1)
-        u = self.eh_proj(c)
-        blk = self.block
-        m, cache_k, cache_v = blk.mixer(blk.attn_norm(u), positions, valid, cache_k, cache_v)
-        hA = u + m
-        y = hA + blk.feed_forward(hA, valid)
-        return self.shared_head_norm(y), cache_k, cache_v
+        y, cache, _ = self.block(self.eh_proj(c), cache, positions, valid)
+        return self.shared_head_norm(y), cache
 
     def logits(self, h: jax.Array) -> jax.Array:
         """LM head on post-norm rows [T >= 2, D] -> [T, V]."""

@@ -1,21 +1,21 @@
-"""The hybrid trunk (spec 3.1): token embedding, GDN / gated-attention blocks with MoE or dense FFN,
-output norm, LM head.
+"""The hybrid trunk: token embedding, GDN / gated-attention blocks with MoE or dense FFN, output norm,
+LM head; and `Block`, the decoder block the trunk and the MTP head share.
 
-Two forward forms share every layer except the GDN kernel:
+State is per layer: block i reads and returns its own cache (`cache.AttnCache` or `cache.GDNCache`),
+so the trunk's state is a tuple of per-layer caches in trunk order.
+
+Two forward forms share every layer except the GDN kernel (the block's `mode`):
 - `prefill`: a bucket of rows with the chunked GDN form (fast); returns the final-normed hidden rows.
 - `rows`: T rows with the recurrent GDN form, one token per scan step; returns logits, final-normed
   hidden rows and the per-row GDN snapshots. Single-token decode is `rows` on a 2-row bucket (row 1 is
   inert padding) so that every matmul has M >= 2 rows: on XLA CPU an M = 1 product uses a different
   kernel and differs in the last bits, while rows of M >= 2 products are independent of the batch.
   Hence a T-row verify and T single-token decodes agree bit for bit, row by row.
-
-The state is duck-typed: any NamedTuple with fields k, v (per attention layer [Hkv, S, hd]), conv
-(per GDN layer [Kc-1, C]) and ssm (per GDN layer [Hv, dv, dk]); see `sharpi_jax.runtime.state`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +23,16 @@ from flax import nnx
 
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.model.attention import GatedAttention
+from sharpi_jax.model.cache import AttnCache, GDNCache, LayerCache
 from sharpi_jax.model.gated_delta_net import GatedDeltaNet
 from sharpi_jax.model.layers import Linear, RMSNorm, SwiGLU
 from sharpi_jax.model.moe import MoE
 from sharpi_jax.quant import QTensor
+
+# How a block runs its GDN mixer: "chunked" (prefill: the chunked WY form, state after the last valid
+# row), "recurrent" (verify / decode: one token per scan step, the state left as it was and a snapshot
+# after every row returned), "sequential" (the recurrent kernel with prefill semantics, for checks).
+BLOCK_MODES = ("chunked", "recurrent", "sequential")
 
 
 class TokenEmbedding(nnx.Module):
@@ -43,7 +49,7 @@ class TokenEmbedding(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One decoder block: x + mixer(norm x), then + ffn(norm h). Also the shape of the MTP block."""
+    """One decoder block: x + mixer(norm x), then + ffn(norm h). The trunk's blocks and the MTP block."""
 
     def __init__(self, c: ModelConfig, layer: int, experts: nnx.Module | None = None):
         """experts: the routed experts of a MoE block (a `moe.ExpertProvider`; None for dense models)."""
@@ -56,6 +62,30 @@ class Block(nnx.Module):
         if c.is_moe and experts is None:
             raise ValueError(f"block {layer} of a MoE model needs its routed experts (an ExpertProvider)")
         self.ffn = MoE(c, experts) if c.is_moe else SwiGLU(c.d_model, c.dense_ff)
+
+    def __call__(self, x: jax.Array, cache: LayerCache, positions: jax.Array, valid: jax.Array,
+                 mode: str = "chunked") -> tuple[jax.Array, LayerCache, GDNCache | None]:
+        """Rows x [T, D] at `positions` [T] int32; rows with valid [T] False are bucket padding (no KV
+        write, no state change, zero-weight experts). Returns (x' [T, D], the block's new cache, the
+        per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES."""
+        a = self.attn_norm(x)
+        m, cache, snapshot = self._mix(a, cache, positions, valid, mode)
+        h = x + m
+        return h + self.feed_forward(h, valid), cache, snapshot
+
+    def _mix(self, a, cache, positions, valid, mode):
+        if mode not in BLOCK_MODES:
+            raise ValueError(f"mode must be one of {BLOCK_MODES}, got {mode!r}")
+        if not self.is_recurrent:
+            m, k, v = self.mixer(a, positions, valid, cache.k, cache.v)
+            return m, AttnCache(k, v), None
+        if mode == "recurrent":
+            m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm)
+            return m, cache, GDNCache(conv_snaps, ssm_snaps)
+        n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
+        form = self.mixer.chunked if mode == "chunked" else self.mixer.sequential
+        m, conv, ssm = form(a, valid, n_valid, cache.conv, cache.ssm)
+        return m, GDNCache(conv, ssm), None
 
     def feed_forward(self, h: jax.Array, valid: jax.Array) -> jax.Array:
         u = self.post_norm(h)
@@ -74,36 +104,19 @@ class Transformer(nnx.Module):
         self.output_norm = RMSNorm(c.d_model, c.rms_eps)
         self.lm_head = Linear(c.d_model, c.n_vocab)
 
-    # ----- forward forms -----
-    def _trunk(self, state: Any, tokens: jax.Array, start: jax.Array, n_valid: jax.Array, gdn: str):
+    def _trunk(self, state: tuple[LayerCache, ...], tokens: jax.Array, start: jax.Array, n_valid: jax.Array,
+               mode: str):
         T = tokens.shape[0]
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + rows
         valid = rows < n_valid
         x = self.embed(tokens)
-        ks, vs, convs, ssms = list(state.k), list(state.v), list(state.conv), list(state.ssm)
-        snaps_conv, snaps_ssm = [], []
-        ia = ig = 0
-        for blk in self.layers:
-            a = blk.attn_norm(x)
-            if blk.is_recurrent:
-                if gdn == "recurrent":
-                    m, cs, ss = blk.mixer.recurrent(a, convs[ig], ssms[ig])
-                    snaps_conv.append(cs)
-                    snaps_ssm.append(ss)
-                elif gdn == "chunked":
-                    m, convs[ig], ssms[ig] = blk.mixer.chunked(a, valid, n_valid, convs[ig], ssms[ig])
-                else:  # "sequential": recurrent kernel, prefill semantics (for cross-checks)
-                    m, convs[ig], ssms[ig] = blk.mixer.sequential(a, valid, n_valid, convs[ig], ssms[ig])
-                ig += 1
-            else:
-                m, ks[ia], vs[ia] = blk.mixer(a, positions, valid, ks[ia], vs[ia])
-                ia += 1
-            h = x + m
-            x = h + blk.feed_forward(h, valid)
-        hidden = self.output_norm(x)
-        state = state._replace(k=tuple(ks), v=tuple(vs), conv=tuple(convs), ssm=tuple(ssms))
-        return hidden, state, (tuple(snaps_conv), tuple(snaps_ssm))
+        caches, snapshots = [], []
+        for blk, cache in zip(self.layers, state, strict=True):
+            x, cache, snapshot = blk(x, cache, positions, valid, mode)
+            caches.append(cache)
+            snapshots.append(snapshot)
+        return self.output_norm(x), tuple(caches), tuple(snapshots)
 
     def prefill(self, state, tokens, start, n_valid, gdn: str = "chunked"):
         """Rows [start, start + n_valid) of a padded bucket `tokens` [B]. Returns (hidden [B, D], state)."""
@@ -112,6 +125,7 @@ class Transformer(nnx.Module):
 
     def rows(self, state, tokens, start, n_valid):
         """T >= 2 rows with the recurrent GDN form. Returns (logits [T, V], hidden [T, D], state with the
-        KV rows written and the GDN state unchanged, (conv snapshots, ssm snapshots) per GDN layer)."""
-        hidden, state, snaps = self._trunk(state, tokens, start, n_valid, "recurrent")
-        return self.lm_head(hidden), hidden, state, snaps
+        KV rows written and the GDN state unchanged, snapshots: per layer, a GDNCache of per-row states
+        [T, ...] for a GDN layer, None for an attention layer)."""
+        hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent")
+        return self.lm_head(hidden), hidden, state, snapshots

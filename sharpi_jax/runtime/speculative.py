@@ -48,7 +48,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, sample
-from sharpi_jax.runtime.state import MTPCache, init_mtp_cache
+from sharpi_jax.runtime.state import MTPCache, gdn_caches, init_mtp_cache, with_gdn
 from sharpi_jax.runtime.steps import Runtime
 
 VERIFY_MODES = ("batched", "sequential")
@@ -62,14 +62,13 @@ def _mtp_fns(graphdef, treedef):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
     def rows(params, cache, tokens, hs, start, n_valid):
-        hp, k, v = merge(params)(tokens, hs, start, n_valid, cache.k, cache.v)
-        return hp, MTPCache(k, v)
+        return merge(params)(tokens, hs, start, n_valid, cache)
 
     def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft):
         mtp = merge(params)
         W = tokens.shape[0]
         hs = jnp.concatenate([h_prev[None], hidden])[:W]
-        hp, k, v = mtp(tokens, hs, start, n_valid, cache.k, cache.v)
+        hp, cache = mtp(tokens, hs, start, n_valid, cache)
         last = n_valid - 1  # the row of the certain token t
 
         def greedy(h):  # a 2-row bucket: the row-stable kernel
@@ -81,15 +80,15 @@ def _mtp_fns(graphdef, treedef):
         pos0 = start + last
 
         def step(i, carry):
-            k, v, tok, h, drafts = carry
-            hp, k, v = mtp(jnp.stack([tok, tok]), jnp.stack([h, h]), pos0 + i, jnp.int32(1), k, v)
+            cache, tok, h, drafts = carry
+            hp, cache = mtp(jnp.stack([tok, tok]), jnp.stack([h, h]), pos0 + i, jnp.int32(1), cache)
             tok = greedy(hp[0])
-            return k, v, tok, hp[0], drafts.at[i].set(tok)
+            return cache, tok, hp[0], drafts.at[i].set(tok)
 
-        k, v, _, _, drafts = jax.lax.fori_loop(1, n_draft, step, (k, v, d, h, drafts))
+        cache, _, _, drafts = jax.lax.fori_loop(1, n_draft, step, (cache, d, h, drafts))
         t = jax.lax.dynamic_index_in_dim(tokens, last, keepdims=False)
         h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
-        return jnp.concatenate([t[None], drafts]), MTPCache(k, v), h_t
+        return jnp.concatenate([t[None], drafts]), cache, h_t
 
     def logits(params, h):
         return merge(params).logits(h)
@@ -280,9 +279,10 @@ class MTPDecoder:
         accepted, nxt = self._targets(lambda r: logits[r], host[1:], n_draft, sampling, index, greedy_rows)
         if self.trace is not None:
             m = n_draft + 1
+            gdn = gdn_caches(snaps)
             self.trace.append(dict(tokens=host[:m], logits=np.asarray(logits)[:m], hidden=np.asarray(hidden)[:m],
-                                   conv=tuple(np.asarray(c)[:m] for c in snaps.conv),
-                                   ssm=tuple(np.asarray(s)[:m] for s in snaps.ssm), accepted=len(accepted)))
+                                   conv=tuple(np.asarray(g.conv)[:m] for g in gdn),
+                                   ssm=tuple(np.asarray(g.ssm)[:m] for g in gdn), accepted=len(accepted)))
         self.state, self._commit = state, (snaps, len(accepted))  # rollback: snapshot a, next pass
         return accepted, nxt, hidden
 
@@ -297,7 +297,7 @@ class MTPDecoder:
             logits_rows.append(lg)
             hidden_rows.append(h)
             if self.full_rows:
-                kept.append(jax.tree.map(jnp.copy, (state.conv, state.ssm)))
+                kept.append(jax.tree.map(jnp.copy, gdn_caches(state)))
             if accepted is None:
                 tok = int(_argmax_rows(lg)) if greedy else int(sample(lg, sampling, index + r + 1))
                 if not (r < n_draft and tok == int(vtokens[r + 1])):
@@ -306,16 +306,16 @@ class MTPDecoder:
                         break
         a = len(accepted)
         if self.full_rows:
-            conv, ssm = kept[a]
-            state = state._replace(conv=conv, ssm=ssm)
+            state = with_gdn(state, kept[a])
         if self.trace is not None:
             m = len(logits_rows)
+            n_gdn = len(kept[0]) if kept else 0
             self.trace.append(dict(tokens=vtokens[:m], logits=np.stack([np.asarray(x) for x in logits_rows]),
                                    hidden=np.stack([np.asarray(x) for x in hidden_rows]),
-                                   conv=tuple(np.stack([np.asarray(kk[0][i]) for kk in kept])
-                                              for i in range(len(state.conv))) if kept else None,
-                                   ssm=tuple(np.stack([np.asarray(kk[1][i]) for kk in kept])
-                                             for i in range(len(state.ssm))) if kept else None,
+                                   conv=tuple(np.stack([np.asarray(kk[i].conv) for kk in kept])
+                                              for i in range(n_gdn)) if kept else None,
+                                   ssm=tuple(np.stack([np.asarray(kk[i].ssm) for kk in kept])
+                                             for i in range(n_gdn)) if kept else None,
                                    accepted=a))
         self.state = state
         return accepted, nxt, _stack_rows(tuple(hidden_rows[:a + 1]), self.K + 1)

@@ -1,67 +1,79 @@
-"""Explicit decoding state pytrees (all float32; CPU caches stay f32, see DESIGN.md).
+"""Explicit decoding state pytrees, per layer (all float32: on XLA CPU a bf16 dynamic_update_slice
+upcasts the whole buffer, so CPU caches stay f32).
 
-`DecodeState` fields are tuples with one array per layer of that kind, in trunk order:
-- k, v: per attention layer [Hkv, S, hd], S = max_context (post-norm post-rope K, raw V).
-- conv: per GDN layer [Kc-1, C], raw pre-conv qkv of the last Kc-1 tokens, oldest first.
-- ssm: per GDN layer [Hv, dv, dk] (ggml's layout: the transpose of HF's [dk, dv] per head).
+`DecodeState`: a tuple with one cache per trunk layer, in trunk order: `AttnCache(k, v)` for an
+attention layer, `GDNCache(conv, ssm)` for a Gated DeltaNet layer (layouts in `sharpi_jax.model.cache`).
 The committed length (number of positions filled) lives on the host; positions >= length in the KV
-cache are stale and always masked. Rollback = choose a GDN snapshot and set the length.
+caches are stale and always masked. Rollback = choose a GDN snapshot and set the length.
 
-`Snapshots` (from a multi-row recurrent step): conv [T, Kc-1, C] and ssm [T, Hv, dv, dk] per GDN
-layer; index t is the state right after row t.
+`Snapshots` (from a multi-row recurrent step): per trunk layer, a `GDNCache` of per-row states
+(conv [T, Kc-1, C], ssm [T, Hv, dv, dk]; index t is the state right after row t) for a GDN layer,
+None for an attention layer.
 
-`MTPCache`: the MTP head's own KV cache, k and v [Hkv, S, hd]; its committed length is host-side too
+`MTPCache`: the MTP block's own KV cache, an `AttnCache`; its committed length is host-side too
 (speculative decoding truncates it together with the trunk's).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from sharpi_jax.config import ModelConfig
+from sharpi_jax.model.cache import AttnCache, GDNCache, LayerCache, cache_shapes, zeros
 
-
-class DecodeState(NamedTuple):
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    conv: tuple[jax.Array, ...]
-    ssm: tuple[jax.Array, ...]
-
-
-class Snapshots(NamedTuple):
-    conv: tuple[jax.Array, ...]
-    ssm: tuple[jax.Array, ...]
-
-
-class MTPCache(NamedTuple):
-    k: jax.Array
-    v: jax.Array
+DecodeState = tuple[LayerCache, ...]
+Snapshots = tuple[GDNCache | None, ...]
+MTPCache = AttnCache
 
 
 def init_mtp_cache(c: ModelConfig, max_context: int) -> MTPCache:
     """A zeroed MTP KV cache."""
-    shape = (c.n_head_kv, max_context, c.head_dim)
-    return MTPCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    return zeros(cache_shapes(c, c.mtp_layer, max_context))
 
 
 def state_shapes(c: ModelConfig, max_context: int) -> DecodeState:
     """Shapes (jax.ShapeDtypeStruct) of a fresh state."""
-    f32 = jnp.float32
-    kv = jax.ShapeDtypeStruct((c.n_head_kv, max_context, c.head_dim), f32)
-    conv = jax.ShapeDtypeStruct((c.ssm_conv_kernel - 1, c.conv_dim), f32)
-    ssm = jax.ShapeDtypeStruct((c.ssm_dt_rank, c.ssm_d_inner // c.ssm_dt_rank, c.ssm_d_state), f32)
-    n_attn, n_gdn = len(c.attention_layers), len(c.gdn_layers)
-    return DecodeState(k=(kv,) * n_attn, v=(kv,) * n_attn, conv=(conv,) * n_gdn, ssm=(ssm,) * n_gdn)
+    return tuple(cache_shapes(c, i, max_context) for i in range(c.n_layer))
 
 
 def init_state(c: ModelConfig, max_context: int) -> DecodeState:
     """A zeroed state (a new sequence: llama.cpp's rs_z rows; zero KV so masked products are exact 0)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state_shapes(c, max_context))
+    return zeros(state_shapes(c, max_context))
 
 
 def state_bytes(c: ModelConfig, max_context: int) -> int:
     """Memory of one sequence's state."""
     return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(state_shapes(c, max_context)))
+
+
+def gdn_caches(state: DecodeState | Snapshots) -> list[GDNCache]:
+    """The GDN layers' entries of a state (or of snapshots), in trunk order."""
+    return [c for c in state if isinstance(c, GDNCache)]
+
+
+def attention_caches(state: DecodeState) -> list[AttnCache]:
+    """The attention layers' KV caches of a state, in trunk order."""
+    return [c for c in state if isinstance(c, AttnCache)]
+
+
+def with_gdn(state: DecodeState, gdn: Sequence[GDNCache]) -> DecodeState:
+    """`state` with its GDN layers' caches replaced by `gdn` (in trunk order)."""
+    it = iter(gdn)
+    out = tuple(next(it) if isinstance(c, GDNCache) else c for c in state)
+    if next(it, None) is not None:
+        raise ValueError("more GDN caches than GDN layers")
+    return out
+
+
+def select_snapshot(state: DecodeState, snapshots: Snapshots, index) -> DecodeState:
+    """`state` with every GDN layer set to its snapshot `index` (the state after row `index`)."""
+    return tuple(c if s is None else GDNCache(s.conv[index], s.ssm[index]) for c, s in zip(state, snapshots))
+
+
+def repeat_as_snapshots(state: DecodeState, n_rows: int) -> Snapshots:
+    """Snapshots whose every row is the state itself ("after row 0" of a pass that did not happen)."""
+    rep = lambda a: jnp.broadcast_to(a[None], (n_rows,) + a.shape)  # noqa: E731
+    return tuple(GDNCache(rep(c.conv), rep(c.ssm)) if isinstance(c, GDNCache) else None for c in state)

@@ -29,7 +29,7 @@ from flax import nnx
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
-from sharpi_jax.runtime.state import DecodeState, Snapshots, init_state
+from sharpi_jax.runtime.state import DecodeState, Snapshots, init_state, repeat_as_snapshots, select_snapshot
 
 # Prefill chunk sizes (each compiles once). A 128-token prompt runs as one 128-row chunk, not as a
 # 256-row bucket that would be half padding; see `prefill_plan` for how a prompt is cut.
@@ -84,17 +84,16 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
     def decode(params, cache, state, token, pos):
         model = merge(params, cache)
         tokens = jnp.stack([token, token])
-        logits, hidden, state, (conv, ssm) = model.rows(state, tokens, pos, jnp.int32(1))
-        state = state._replace(conv=tuple(c[0] for c in conv), ssm=tuple(s[0] for s in ssm))
-        return logits[0], hidden[0], state, cache_out(model)
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, jnp.int32(1))
+        return logits[0], hidden[0], select_snapshot(state, snaps, 0), cache_out(model)
 
     def verify(params, cache, state, tokens, pos, n_valid):
         model = merge(params, cache)
-        logits, hidden, state, (conv, ssm) = model.rows(state, tokens, pos, n_valid)
-        return logits, hidden, state, Snapshots(conv, ssm), cache_out(model)
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid)
+        return logits, hidden, state, snaps, cache_out(model)
 
     def commit(state, snaps, index):
-        return state._replace(conv=tuple(c[index] for c in snaps.conv), ssm=tuple(s[index] for s in snaps.ssm))
+        return select_snapshot(state, snaps, index)
 
     def commit_verify(params, cache, state, snaps, index, tokens, pos, n_valid):
         logits, hidden, state, snaps, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid)
@@ -208,9 +207,7 @@ class Runtime:
             raise InputError(f"commit_verify: {n_valid} rows at position {pos} (width {T}, max_context "
                              f"{self.max_context})")
         if snaps is None:  # "after row 0" of a pass that did not happen = the state itself
-            snaps = Snapshots(conv=tuple(jnp.broadcast_to(c[None], (T,) + c.shape) for c in state.conv),
-                              ssm=tuple(jnp.broadcast_to(s[None], (T,) + s.shape) for s in state.ssm))
-            index = 0
+            snaps, index = repeat_as_snapshots(state, T), 0
         logits, greedy, hidden, state, snaps, self.cache = self._fns.commit_verify(
             self.params, self.cache, state, snaps, np.int32(index), tokens, np.int32(pos), np.int32(n_valid))
         return logits, greedy, hidden, state, snaps

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sharpi_jax.runtime.state import gdn_caches
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, fixture_path, load_references
 
@@ -93,7 +94,8 @@ def test_chunked_and_recurrent_gdn_agree(name):
     for form in ("chunked", "sequential"):
         chunks, last, state = rt.prefill(rt.new_state(), toks, gdn=form)
         hidden = np.concatenate([np.asarray(h)[:n] for h, n in chunks])
-        out[form] = (hidden, np.asarray(last), [np.asarray(s) for s in state.ssm], [np.asarray(c) for c in state.conv])
+        gdn = gdn_caches(state)
+        out[form] = (hidden, np.asarray(last), [np.asarray(g.ssm) for g in gdn], [np.asarray(g.conv) for g in gdn])
     (hc, lc, sc, cc), (hs, ls, ss, cs) = out["chunked"], out["sequential"]
     r_hidden, r_logits = rel_l2(hc, hs), rel_l2(lc, ls)
     r_ssm = max(rel_l2(a, b) for a, b in zip(sc, ss))

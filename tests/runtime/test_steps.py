@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from sharpi_jax.runtime.state import state_bytes
+from sharpi_jax.model.cache import AttnCache, GDNCache
+from sharpi_jax.runtime.state import attention_caches, gdn_caches, state_bytes
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, load_references
 
@@ -33,7 +34,7 @@ def _sequential(e, state, tokens, pos):
     for j, t in enumerate(tokens):
         logits, hidden, state = e.runtime.decode_step(state, t, pos + j)
         # Copy to host: the next step donates (deletes) this state's buffers.
-        rows.append(jax.tree.map(np.asarray, (logits, hidden, state.conv, state.ssm)))
+        rows.append(jax.tree.map(np.asarray, (logits, hidden, gdn_caches(state))))
     return rows, state
 
 
@@ -47,10 +48,8 @@ def _check_verify_parity(e, prompt, tokens):
     assert_bitwise_equal(logits, np.stack([r[0] for r in rows]))
     assert_bitwise_equal(hidden, np.stack([r[1] for r in rows]))
     for j in range(T):  # GDN snapshot j == the state after j+1 single steps
-        assert_bitwise_equal(tuple(c[j] for c in snaps.conv), rows[j][2])
-        assert_bitwise_equal(tuple(s[j] for s in snaps.ssm), rows[j][3])
-    assert_bitwise_equal(ver_state.k, seq_state.k)
-    assert_bitwise_equal(ver_state.v, seq_state.v)
+        assert_bitwise_equal([GDNCache(s.conv[j], s.ssm[j]) for s in gdn_caches(snaps)], rows[j][2])
+    assert_bitwise_equal(attention_caches(ver_state), attention_caches(seq_state))
     committed = e.runtime.commit(ver_state, snaps, T - 1)
     assert_bitwise_equal(committed, seq_state)
 
@@ -94,7 +93,7 @@ def test_rollback_by_snapshot():
     _, state = _sequential(e, state, drafts[:2], pos)
     want = e.runtime.decode_step(state, nxt, pos + 2)
     assert_bitwise_equal(got[:2], want[:2])
-    assert_bitwise_equal((got[2].conv, got[2].ssm), (want[2].conv, want[2].ssm))
+    assert_bitwise_equal(gdn_caches(got[2]), gdn_caches(want[2]))
 
 
 def test_decode_continues_prefill():
@@ -130,9 +129,11 @@ def test_state_layout():
     e = engine(name, "F32")
     c = e.config
     s = e.runtime.new_state()
-    assert len(s.k) == len(c.attention_layers) and len(s.conv) == len(c.gdn_layers)
-    assert s.k[0].shape == (c.n_head_kv, MAX_CONTEXT, c.head_dim)
-    assert s.conv[0].shape == (c.ssm_conv_kernel - 1, c.conv_dim)
-    assert s.ssm[0].shape == (c.ssm_dt_rank, c.ssm_d_inner // c.ssm_dt_rank, c.ssm_d_state)
+    assert len(s) == c.n_layer  # one cache per trunk layer, in trunk order
+    assert all(isinstance(s[i], GDNCache if c.is_recurrent(i) else AttnCache) for i in range(c.n_layer))
+    a, g = attention_caches(s)[0], gdn_caches(s)[0]
+    assert a.k.shape == a.v.shape == (c.n_head_kv, MAX_CONTEXT, c.head_dim)
+    assert g.conv.shape == (c.ssm_conv_kernel - 1, c.conv_dim)
+    assert g.ssm.shape == (c.ssm_dt_rank, c.ssm_d_inner // c.ssm_dt_rank, c.ssm_d_state)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(s))
     assert state_bytes(c, MAX_CONTEXT) == sum(x.nbytes for x in jax.tree.leaves(s))
