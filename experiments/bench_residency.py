@@ -199,7 +199,7 @@ def bench_threshold(path: Path, emit) -> list[dict]:
     f = GGUFFile(path)
     c = read_model_config(f)
     E, k = c.n_expert, c.n_expert_used
-    geo = residency._layer_geometry(f, c)  # pylint: disable=protected-access
+    geo = residency.layer_geometry(f, c)
     bpe = max(b for _, b in geo.values())
     rng = np.random.default_rng(FLAGS.seed)
     records = []

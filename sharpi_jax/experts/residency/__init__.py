@@ -1,0 +1,155 @@
+"""Expert residency: hot routed experts in device slots, cold ones streamed from the mmap.
+
+`sj.load(path, expert_budget=..., expert_policy=...)` bounds the routed-expert bytes on the device;
+the tokens are the all-resident tokens bit for bit, whatever the budget and policy. By concern:
+
+- `plan`: the budget, its minimum, and which experts start in which slots of each MoE layer;
+- `policies`: static / frequency / lru / slru, one `SlotPolicy` interface (plan and ring bookkeeping);
+- `slots`: `ResidentExperts`, a layer's slot stack + LUT + ring state, the provider its MoE calls;
+- `counts`: calibrated routing counts for "frequency" (`calibrate`, saved beside the model);
+- `stats`: counters and what a run cost (hit rate, bytes streamed, host work);
+- this module: `configure` (the load options) and `Residency` (a plan bound to an open GGUF).
+
+Cold experts are served by `sharpi_jax.experts.streaming` (one host callback per layer and batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from sharpi_jax.config import ModelConfig
+from sharpi_jax.errors import InputError
+from sharpi_jax.experts.expert_weights import expert_storage, to_expert_storage
+from sharpi_jax.experts.provider import field_of
+from sharpi_jax.experts.residency import stats as _stats
+from sharpi_jax.experts.residency.counts import (COUNTS_FORMAT, COUNTS_SUFFIX, calibrate, counts_paths, load_counts,
+                                                 save_counts)
+from sharpi_jax.experts.residency.plan import (LayerSpec, ResidencyPlan, budget_for_fraction, layer_geometry,
+                                               minimum_budget, non_expert_bytes, parse_expert_budget, plan_residency)
+from sharpi_jax.experts.residency.policies import POLICIES, SlotPolicy, slot_policy
+from sharpi_jax.experts.residency.slots import CTR, ExpertCache, ResidentExperts, matrix_shape, staging_buffer
+from sharpi_jax.experts.streaming import MATRICES, Streamer
+from sharpi_jax.gguf.reader import GGUFFile
+
+
+class Residency:
+    """A plan bound to an open GGUF: builds the layers' modules, loads their slots, reads stats."""
+
+    def __init__(self, f: GGUFFile, config: ModelConfig, plan: ResidencyPlan,
+                 counts: Mapping[int, Sequence[int]] | None = None, prefetch_experts: int = 16):
+        self.gguf, self.config, self.plan = f, config, plan
+        pinned = {i: s.resident[: s.n_pin] for i, s in plan.layers.items()}
+        self.streamer = Streamer(f, sorted(plan.layers), config.d_model, config.expert_ff, pinned=pinned,
+                                 counts=counts, prefetch_experts=prefetch_experts)
+        self._pending: dict = {}  # SoA fields of the slot stack being loaded
+
+    # ----- model construction -----
+    def experts_module(self, layer: int, mode: str, shared: dict) -> ResidentExperts | None:
+        """The layer's ResidentExperts, or None when the layer is not managed (e.g. the MTP block).
+        Layers of one block-type mix share one staging buffer, kept in `shared` (one per model build)."""
+        spec = self.plan.layers.get(layer)
+        if spec is None:
+            return None
+        if spec.qtypes not in shared:
+            shared[spec.qtypes] = staging_buffer(spec)
+        return ResidentExperts(spec, self.streamer, shared[spec.qtypes], mode)
+
+    def source(self, layer: int, path: tuple) -> Callable[[], Any]:
+        """The loader of one param of the layer's ResidentExperts (slot stacks, LUT, ring state)."""
+        return lambda: self._param(layer, path[0], tuple(path[1:]))
+
+    def _param(self, layer: int, name: str, rest: tuple):
+        spec = self.plan.layers[layer]
+        ids = np.asarray(spec.resident, np.int64)
+        S, E = spec.n_slots, spec.n_expert
+        field = rest[0] if rest else None
+        if name == "staged":  # staging buffer: zeros until a batch streams into it
+            m = MATRICES.index(rest[0])
+            G = spec.staging if spec.cold != "host" else 0
+            want = expert_storage((G,) + matrix_shape(spec, rest[0]), spec.qtypes[m])
+            want = want[rest[1]] if len(rest) > 1 else want
+            return np.zeros(want.shape, want.dtype)
+        if name in MATRICES:
+            m = MATRICES.index(name)
+            view = self.streamer.sources[layer].views[m]
+            shape = (S,) + matrix_shape(spec, name)
+            return field_of(self._pending, (layer, name), field,
+                            lambda: to_expert_storage(np.ascontiguousarray(view[ids]), shape, spec.qtypes[m]))
+        if name == "lut":
+            lut = np.full(E, -1, np.int32)
+            lut[ids] = np.arange(S, dtype=np.int32)
+            return lut
+        if name == "slot_expert":
+            return ids.astype(np.int32)
+        zeros = {"stamp": (S,), "protected": (S,), "clock": (), "counts": (E,), "ctr": (len(CTR),)}
+        return np.zeros(zeros[name], np.int32)
+
+    # ----- counters -----
+    def counters(self, runtime) -> dict:
+        """Cumulative device counters {layer: {name: int}}, per-expert counts and host counters."""
+        return _stats.counters(runtime.expert_cache_arrays(), self.streamer.snapshot())
+
+    zero_counters = staticmethod(_stats.zero_counters)
+
+    def stats(self, before: dict, after: dict) -> dict:
+        """What a run cost between two `counters` snapshots (see `stats.run_stats`)."""
+        return _stats.run_stats(self.plan, self.streamer.staging_kind, before, after)
+
+    def resident_bytes(self, runtime, what: str = "slots") -> int:
+        """nbytes actually on the device (the memory check): "slots" (the slot stacks), "staging"
+        (the streaming buffers) or "all"."""
+        return _stats.resident_bytes(runtime.expert_cache_arrays(), what)
+
+
+OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",
+                "expert_prefetch", "device_budget")
+
+
+def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None,
+              expert_policy: str = "frequency", **options: Any) -> Residency | None:
+    """The Residency for `sj.load(..., expert_budget=, expert_policy=, ...)`, or None (all resident).
+
+    options: device_budget (bytes for non-expert weights + experts, instead of expert_budget),
+    expert_counts (dict or JSON path; default: the file beside the model), expert_staging (experts
+    streamable per layer and batch, >= top-k), expert_ring (ring fraction of each layer's slots),
+    expert_cold ("auto" | "stream" | "host"), expert_stream_min_rows, expert_prefetch (experts
+    madvise'd ahead per layer).
+    """
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise InputError(f"unknown load option(s) {unknown}; residency options are {OPTION_NAMES}")
+    device_budget = options.get("device_budget")
+    if expert_budget is not None and config.is_moe:
+        expert_budget = parse_expert_budget(expert_budget, f, config)
+    if expert_budget is None and device_budget is None:
+        if any(options.get(n) is not None for n in OPTION_NAMES):
+            raise InputError("expert residency options need expert_budget (or device_budget)")
+        return None
+    if expert_budget is not None and device_budget is not None:
+        raise InputError("give expert_budget or device_budget, not both")
+    if not config.is_moe:
+        raise InputError(f"expert_budget applies to MoE models; {f.source} ({config.arch}) has no routed experts")
+    if device_budget is not None:
+        if isinstance(device_budget, bool) or not isinstance(device_budget, (int, np.integer)) or device_budget < 0:
+            raise InputError(f"device_budget must be a non-negative integer number of bytes, got {device_budget!r}")
+        dense = non_expert_bytes(f, config)
+        min_exp = minimum_budget(f, config)
+        if device_budget < dense + min_exp:
+            raise InputError(
+                f"device_budget = {device_budget} bytes is too small: the minimum is {dense + min_exp} bytes "
+                f"(non-expert weights {dense} + one layer's top-k experts {min_exp})")
+        expert_budget = int(device_budget) - dense
+    counts, source = load_counts(options.get("expert_counts"), f.path, config)
+    plan = plan_residency(f, config, expert_budget, expert_policy, counts, counts_source=source,
+                          staging=options.get("expert_staging"), ring=options.get("expert_ring"),
+                          cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"))
+    prefetch = options.get("expert_prefetch")
+    return Residency(f, config, plan, counts, 16 if prefetch is None else int(prefetch))
+
+
+__all__ = ["COUNTS_FORMAT", "COUNTS_SUFFIX", "CTR", "ExpertCache", "LayerSpec", "OPTION_NAMES", "POLICIES", "Residency",
+           "ResidencyPlan", "ResidentExperts", "SlotPolicy", "budget_for_fraction", "calibrate", "configure",
+           "counts_paths", "layer_geometry", "load_counts", "minimum_budget", "non_expert_bytes", "parse_expert_budget",
+           "plan_residency", "save_counts", "slot_policy"]

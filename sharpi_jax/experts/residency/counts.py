@@ -1,0 +1,100 @@
+"""Calibrated routing counts for the "frequency" policy: taking them, saving and finding them.
+
+Counts are per MoE layer and expert: how many (row, rank) routing pairs chose the expert over the
+calibration prompts. They are saved as JSON next to the model (`<model>.gguf.expert-counts.json`), or
+in the cache dir ($SHARPI_CACHE, default ~/.cache/sharpi-jax) when the model's directory is
+read-only, and found there automatically at load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from sharpi_jax.config import ModelConfig
+from sharpi_jax.errors import InputError
+
+COUNTS_SUFFIX = ".expert-counts.json"
+COUNTS_FORMAT = "sharpi-expert-counts/1"
+
+
+def counts_paths(model_path: str | os.PathLike[str]) -> list[Path]:
+    """Where calibrated counts for a model are looked for: beside it, then in the cache dir."""
+    p = Path(model_path)
+    cache = Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax")) / "expert-counts"
+    size = p.stat().st_size if p.exists() else 0
+    return [Path(str(p) + COUNTS_SUFFIX), cache / f"{p.name}-{size}{COUNTS_SUFFIX}"]
+
+
+def load_counts(source: Any, model_path: str | os.PathLike[str], c: ModelConfig
+                ) -> tuple[dict[int, list[int]] | None, str | None]:
+    """Counts {layer: [E]} from a dict, a JSON path, or (None) the default files; (None, None) if absent."""
+    if isinstance(source, Mapping):
+        data, where = dict(source), "<dict>"
+    else:
+        paths = [Path(source)] if source is not None else counts_paths(model_path)
+        found = [p for p in paths if p.exists()]
+        if not found:
+            if source is not None:
+                raise InputError(f"expert counts file {source} does not exist")
+            return None, None
+        where = str(found[0])
+        try:
+            data = json.loads(found[0].read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"expert counts file {where}: {e}") from None
+    layers = data.get("layers", data)
+    try:
+        out = {int(i): [int(x) for x in v] for i, v in layers.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise InputError(f"expert counts {where}: expected {{'layers': {{layer: [n_expert counts]}}}}") from None
+    bad = [i for i, v in out.items() if len(v) != c.n_expert]
+    if bad:
+        raise InputError(f"expert counts {where}: layer {bad[0]} has {len(out[bad[0]])} counts, the model has "
+                         f"{c.n_expert} experts")
+    return out, where
+
+
+def save_counts(counts: Mapping[int, Sequence[int]], model_path: str | os.PathLike[str], c: ModelConfig,
+                tokens: int, path: str | os.PathLike[str] | None = None) -> Path:
+    """Write counts JSON beside the model (or to the cache dir when that is not writable)."""
+    data = {"format": COUNTS_FORMAT, "model": Path(model_path).name, "n_expert": c.n_expert,
+            "top_k": c.n_expert_used, "tokens": int(tokens),
+            "layers": {str(i): [int(x) for x in v] for i, v in sorted(counts.items())}}
+    targets = [Path(path)] if path is not None else counts_paths(model_path)
+    err = None
+    for t in targets:
+        try:
+            t.parent.mkdir(parents=True, exist_ok=True)
+            tmp = t.with_name(t.name + ".partial")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(t)
+            return t
+        except OSError as e:
+            err = e
+    raise InputError(f"cannot save expert counts ({targets}): {err}")
+
+
+def calibrate(engine, prompts: Sequence[Any], save: bool | str | os.PathLike[str] = True) -> dict[int, list[int]]:
+    """Routing counts {layer: [E]} over teacher-forced prompts (text or ids), saved for 'frequency'.
+
+    The engine must have been loaded with an expert budget (any: the counts are routing decisions, which
+    do not depend on residency). save=True writes beside the model (or the cache dir); a path writes there.
+    """
+    res = getattr(engine, "residency", None)
+    if res is None:
+        raise InputError("calibrate needs an engine loaded with expert_budget= (any budget; the full one "
+                         "keeps every expert resident)")
+    before = res.counters(engine.runtime)["counts"]
+    tokens = 0
+    for p in prompts:
+        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        engine.logits(ids)
+        tokens += len(ids)
+    after = res.counters(engine.runtime)["counts"]
+    counts = {i: [int(x) for x in after[i] - before[i]] for i in sorted(after)}
+    if save:
+        save_counts(counts, engine.path, engine.config, tokens, None if save is True else save)
+    return counts

@@ -1,0 +1,278 @@
+"""Residency planning: which experts start in which device slots of each MoE layer, within a budget.
+
+Budget. `expert_budget` (bytes) bounds the persistent routed-expert bytes on the device:
+
+    sum over MoE trunk layers of the slot stacks' nbytes  +  the staging buffers' nbytes
+
+The staging buffer holds `staging` experts (default top-k: how many cold experts one layer may stream
+per batch; the rest of a batch's misses are computed on the host). Layers run one at a time, so all
+layers with the same expert block types share ONE staging buffer (a uniform model has exactly one).
+A budget that holds every expert gives all-resident stacks and no staging. The minimum is one layer's
+top-k (k x bytes_per_expert per block-type mix: a decode token's experts streamed into staging);
+below it planning raises InputError naming the minimum. Not counted: the callback's result buffer
+(raw bytes of the streamed experts, transient while one layer computes). `device_budget` is the same
+check for the whole model: non-expert weights (as loaded: dense matrices in float32, the embedding in
+blocks) + the expert budget. The MTP block's experts are not managed (loaded whole when
+speculative="mtp" is first used) and are outside the budget.
+
+Placement follows the policy (`policies`): each layer's initial slots are ordered by calibrated
+counts (or expert id), "frequency" spends the budget greedily across layers by count per byte with a
+per-layer floor of min(top_k, equal share) slots, the others round robin; the policy's ring share
+(or `expert_ring`) of each layer's slots forms the ring, the rest are pinned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from sharpi_jax.config import ModelConfig
+from sharpi_jax.errors import InputError
+from sharpi_jax.experts.expert_weights import qtype_name, row_bytes
+from sharpi_jax.experts.residency.policies import POLICIES, slot_policy
+from sharpi_jax.experts.streaming import COLD_MODES, DEFAULT_STREAM_MIN_ROWS
+from sharpi_jax.gguf.reader import GGUFFile
+from sharpi_jax.gguf.tensor_specs import expert_qtypes
+from sharpi_jax.model.weights import non_expert_bytes as model_non_expert_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Static residency of one MoE layer (hashable: it is part of the model graph)."""
+
+    layer: int
+    n_expert: int
+    top_k: int
+    d_model: int
+    d_ff: int
+    qtypes: tuple[int, int, int]
+    resident: tuple[int, ...]  # initial expert in each slot; the last n_ring slots form the ring
+    n_ring: int
+    bytes_per_expert: int
+    staging: int  # cold experts one batch may stream (0: host only)
+    cold: str
+    stream_min_rows: int
+    policy: str
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.resident)
+
+    @property
+    def n_pin(self) -> int:
+        return self.n_slots - self.n_ring
+
+    def n_stage(self, n_rows: int) -> int:
+        """Experts streamed for a bucket of n_rows rows (static): the staging size, 0 when host-computing."""
+        if self.cold == "host" or (self.cold == "auto" and n_rows < self.stream_min_rows):
+            return 0
+        return self.staging
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidencyPlan:
+    """Which experts start in which slots, per MoE trunk layer, and the budget they satisfy."""
+
+    policy: str
+    budget: int  # expert bytes the device may hold (see module doc)
+    staging: int  # experts
+    layers: Mapping[int, LayerSpec]
+    total_expert_bytes: int  # every routed expert of the managed layers
+    min_budget: int
+    counts_source: str | None
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of all slot stacks (persistent device-resident experts)."""
+        return sum(s.n_slots * s.bytes_per_expert for s in self.layers.values())
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers: one per expert block-type mix, shared by its layers."""
+        return self.staging * sum(staging_groups(self.layers.values()).values())
+
+    @property
+    def resident_fraction(self) -> float:
+        return self.slot_bytes / self.total_expert_bytes if self.total_expert_bytes else 1.0
+
+
+def staging_groups(specs) -> dict[tuple[int, int, int], int]:
+    """{expert qtypes: bytes per expert}: layers with the same block types share one staging buffer."""
+    return {s.qtypes: s.bytes_per_expert for s in specs}
+
+
+def layer_geometry(f: GGUFFile, c: ModelConfig) -> dict[int, tuple[tuple[int, int, int], int]]:
+    """{layer: (qtypes, bytes_per_expert)} of the MoE trunk layers, from the tensor table."""
+    out = {}
+    for i in range(c.n_layer if c.is_moe else 0):
+        q = tuple(int(x) for x in expert_qtypes(f, i))
+        F, D = c.expert_ff, c.d_model
+        n = [qtype_name(x) for x in q]
+        bpe = F * row_bytes(n[0], D) + F * row_bytes(n[1], D) + D * row_bytes(n[2], F)
+        out[i] = (q, bpe)
+    return out
+
+
+def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str = "frequency",
+                   counts: Mapping[int, Sequence[int]] | None = None, *, counts_source: str | None = None,
+                   staging: int | None = None, ring: float | None = None, cold: str | None = None,
+                   stream_min_rows: int | None = None) -> ResidencyPlan:
+    """Place experts into per-layer slots within `expert_budget` bytes (see the module doc)."""
+    if policy not in POLICIES:
+        raise InputError(f"expert_policy must be one of {POLICIES}, got {policy!r}")
+    if not c.is_moe:
+        raise InputError(f"expert_budget applies to MoE models; {c.arch} has no routed experts")
+    if isinstance(expert_budget, bool) or not isinstance(expert_budget, (int, np.integer)) or expert_budget < 0:
+        raise InputError(f"expert_budget must be a non-negative integer number of bytes, got {expert_budget!r}")
+    pol = slot_policy(policy)
+    cold = cold or pol.default_cold
+    if cold not in COLD_MODES:
+        raise InputError(f"expert_cold must be one of {COLD_MODES}, got {cold!r}")
+    if ring is not None and not 0.0 <= float(ring) <= 1.0:
+        raise InputError(f"expert_ring must be a fraction in [0, 1], got {ring!r}")
+    E, k = c.n_expert, c.n_expert_used
+    geo = layer_geometry(f, c)
+    layers = sorted(geo)
+    bpe = {i: geo[i][1] for i in layers}
+    group_bpe = sum({geo[i][0]: geo[i][1] for i in layers}.values())  # one staging per block-type mix
+    total = sum(E * b for b in bpe.values())
+    staging = k if staging is None else int(staging)
+    if staging < k:
+        raise InputError(f"expert_staging must hold at least one layer's top-k ({k} experts), got {staging}")
+    min_budget = k * group_bpe
+    budget = int(expert_budget)
+    if budget < min_budget:
+        raise InputError(
+            f"expert_budget = {budget} bytes is too small: the minimum is {min_budget} bytes (one layer's "
+            f"top-k: {k} experts x {group_bpe} bytes, the staging a decode token streams into)")
+    full = budget >= total
+    if full:
+        staging = 0
+        n_slots = {i: E for i in layers}
+    else:
+        staging = min(staging, E)
+        avail = budget - staging * group_bpe
+        if avail < 0:
+            raise InputError(f"expert_budget = {budget} bytes is below the staging of {staging} experts "
+                             f"({staging * group_bpe} bytes); lower expert_staging or raise the budget")
+        n_slots = _allocate(layers, bpe, E, k, avail, counts if pol.greedy_by_counts else None)
+    if pol.greedy_by_counts and counts is None and not full:
+        warnings.warn("expert_policy='frequency' without calibrated counts: using the static order "
+                      "(run Engine.calibrate_experts or sharpi_jax.experts.residency.calibrate)", stacklevel=3)
+    ring_frac = pol.ring_share if ring is None else float(ring)
+    smr = DEFAULT_STREAM_MIN_ROWS if stream_min_rows is None else int(stream_min_rows)
+    specs = {}
+    for i in layers:
+        order = _order(E, counts.get(i) if counts and pol.ordered_by_counts else None)
+        n = n_slots[i]
+        n_ring = 0 if full else int(round(ring_frac * n))
+        specs[i] = LayerSpec(layer=i, n_expert=E, top_k=k, d_model=c.d_model, d_ff=c.expert_ff, qtypes=geo[i][0],
+                             resident=tuple(order[:n]), n_ring=n_ring, bytes_per_expert=bpe[i], staging=staging,
+                             cold=cold, stream_min_rows=smr, policy=policy)
+    plan = ResidencyPlan(policy, budget, staging, specs, total, min_budget, counts_source)
+    assert plan.slot_bytes + plan.staging_bytes <= budget or full, "planner exceeded the budget"
+    return plan
+
+
+def _order(n_expert: int, counts: Sequence[int] | None) -> list[int]:
+    """Expert ids by calibrated count (descending, ties by id), or 0..E-1 without counts."""
+    if counts is None:
+        return list(range(n_expert))
+    c = np.asarray(counts, np.int64)
+    return [int(e) for e in np.argsort(-c, kind="stable")]
+
+
+def _allocate(layers, bpe, E, k, avail, counts) -> dict[int, int]:
+    """Slots per layer within `avail` bytes: round robin, or (with counts) a floor then counts per byte."""
+    n = {i: 0 for i in layers}
+
+    def round_robin(cap: int) -> int:
+        nonlocal avail
+        added, progress = 0, True
+        while progress:
+            progress = False
+            for i in layers:
+                if n[i] < cap and bpe[i] <= avail:
+                    n[i] += 1
+                    avail -= bpe[i]
+                    added += 1
+                    progress = True
+        return added
+
+    if counts is None:
+        round_robin(E)
+        return n
+    share = avail // sum(bpe.values())  # equal slots per layer the budget allows
+    round_robin(min(k, share, E))  # the per-layer floor
+    # Then the globally best (count / bytes) experts, each layer in its own count order.
+    cand = []
+    for i in layers:
+        order = _order(E, counts.get(i))
+        c = np.asarray(counts.get(i, np.zeros(E)), np.float64)
+        for rank in range(n[i], E):
+            cand.append((-c[order[rank]] / bpe[i], i, rank))
+    cand.sort()
+    for _, i, rank in cand:
+        if avail < bpe[i]:
+            continue
+        if rank == n[i]:  # layers fill in order; a later rank waits for the earlier ones
+            n[i] += 1
+            avail -= bpe[i]
+    round_robin(E)  # budget left by skipped ranks
+    return n
+
+
+def non_expert_bytes(f: GGUFFile, c: ModelConfig) -> int:
+    """Device bytes of every param except the routed experts, as the loader holds them."""
+    return model_non_expert_bytes(f, c)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_expert_budget(value: Any, f: GGUFFile, config: ModelConfig) -> int | None:
+    """expert_budget as given by a caller -> bytes (None stays None).
+
+    Accepts an int (bytes) or a string: "8GiB", "512 MiB", "1.5GB", "123456", or "25%" (that share of
+    all routed-expert bytes in slots, `budget_for_fraction`). Anything else raises InputError.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        try:
+            if text.endswith("%"):
+                frac = float(text[:-1]) / 100
+                if not 0 < frac <= 1:
+                    raise ValueError
+                return budget_for_fraction(f, config, frac)
+            num = text.rstrip("kmgtib")
+            unit = text[len(num):]
+            if unit in _UNITS and num:
+                return int(float(num) * _UNITS[unit])
+        except (ValueError, OverflowError):
+            pass
+    raise InputError(f"expert_budget must be bytes (an int, or a string like '8GiB' / '512MiB') or a share "
+                     f"like '25%' (0-100%], got {value!r}")
+
+
+def budget_for_fraction(f: GGUFFile, config: ModelConfig, frac: float) -> int:
+    """expert_budget bytes whose slot stacks hold `frac` of all routed experts (plus the top-k staging
+    when frac < 1), rounded to whole experts: what the benches and tests sweep."""
+    geo = layer_geometry(f, config)
+    bpe = max(b for _, b in geo.values())
+    total = sum(config.n_expert * b for _, b in geo.values())
+    if frac >= 1.0:
+        return total
+    return int(frac * total) // bpe * bpe + minimum_budget(f, config)
+
+
+def minimum_budget(f: GGUFFile, config: ModelConfig) -> int:
+    """One layer's top-k of staging per expert block-type mix (see the module doc)."""
+    return config.n_expert_used * sum(dict(layer_geometry(f, config).values()).values())

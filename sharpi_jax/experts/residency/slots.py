@@ -1,0 +1,257 @@
+"""Resident slots: one MoE layer's routed experts under an expert budget (`model.moe.ExpertProvider`).
+
+Each MoE trunk layer keeps a *slot stack*: the same storage as `provider.RoutedExperts` (GGUF blocks,
+SoA for Q8_0/Q4_K) with leading dim n_slots instead of n_expert, plus a LUT `[n_expert] -> slot | -1`.
+Because an expert's computation does not depend on the index it sits at, routing through `lut[sel]`
+into the slot stack gives the same bits as the full [E, ...] stack.
+
+The jitted path (`ResidentExperts.__call__`, one per MoE layer, inside the step): slot = lut[sel];
+`lax.cond(all hit)`: the all-hot branch is `dispatch.routed_experts` on the slot stack, device only;
+the other branch makes ONE `io_callback` (`streaming.Streamer.serve`) that returns the batch's cold
+experts (into staging, most-used first) and/or their rows computed on the host, picks ring victims
+(the layer's `policies.SlotPolicy`), and reduces hot, streamed and host rows in rank order (bitwise
+as all-resident). After the cond, a second cond copies staged experts into the victims' slots (in
+place: inside the first cond XLA copied the whole stack on every miss). Slot stacks, staging, the
+LUT, ring state (slot -> expert, recency stamps, SLRU segment) and per-layer counters are
+`ExpertCache` variables that every step takes donated and returns (`runtime.steps.Runtime`).
+
+Cold mode ("auto" | "stream" | "host"): "auto" streams from `stream_min_rows` bucket rows up
+(streaming.DEFAULT_STREAM_MIN_ROWS, measured) and host-computes below; lru/slru default to "stream"
+(their ring fills only from streamed experts).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import io_callback
+
+from sharpi_jax.experts import dispatch
+from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, storage_values, storage_variables,
+                                               to_expert_storage)
+from sharpi_jax.experts.provider import EXPERT_MODES
+from sharpi_jax.experts.residency.plan import LayerSpec
+from sharpi_jax.experts.residency.policies import slot_policy
+from sharpi_jax.experts.streaming import MATRICES, Streamer
+
+# Device counters per layer (int32, cumulative; diff two snapshots for a run).
+CTR = ("batches", "rows", "pairs", "hits", "misses", "slow_batches", "streamed", "host_experts",
+       "host_pairs", "evicted", "ring_inserts", "unique")
+_C = {n: i for i, n in enumerate(CTR)}
+
+
+class ExpertCache(nnx.Variable):
+    """Mutable residency state (slot stacks, LUT, recency, counters): donated through every step."""
+
+
+def _set(v, value):
+    if isinstance(v, nnx.Dict):
+        for k, x in v.items():
+            x[...] = value[k]
+    else:
+        v[...] = value
+
+
+class _Stacked:
+    """Duck-typed ExpertWeights over two stacks: index e < n_a reads `a`, else `b[e - n_a]`.
+
+    What `dispatch.expert_rows` needs (n_expert, input_orders, dequant_expert): the slot
+    stack and the streamed staging computed in one pass without concatenating them."""
+
+    def __init__(self, a, b, n_a: int):
+        self.a, self.b, self.n_a = a, b, n_a
+        self.n_expert = (a.n_expert if a is not None else 0) + (b.n_expert if b is not None else 0)
+        self.input_orders = (a if a is not None else b).input_orders
+
+    def dequant_expert(self, e, k_order="natural"):
+        if self.b is None:
+            return self.a.dequant_expert(e, k_order)
+        if self.a is None:
+            return self.b.dequant_expert(e - self.n_a, k_order)
+        return jax.lax.cond(e < self.n_a, lambda e: self.a.dequant_expert(e, k_order),
+                            lambda e: self.b.dequant_expert(e - self.n_a, k_order), e)
+
+
+def matrix_shape(spec: LayerSpec, m: str) -> tuple[int, int]:
+    """[rows, cols] of one expert's matrix `m` in a layer."""
+    return (spec.d_model, spec.d_ff) if m == "down" else (spec.d_ff, spec.d_model)
+
+
+def staging_buffer(spec: LayerSpec) -> nnx.Dict:
+    """The device staging of streamed experts ([staging, ...] in slot storage form; empty when the
+    layer only host-computes). One per block-type mix, shared by its layers (they run one at a time)."""
+
+    G = spec.staging if spec.cold != "host" else 0
+    return nnx.Dict({m: storage_variables(expert_storage((G,) + matrix_shape(spec, m), spec.qtypes[j]), ExpertCache)
+                     for j, m in enumerate(MATRICES)})
+
+
+class ResidentExperts(nnx.Module):
+    """One MoE layer's routed experts under residency: slot stack + LUT + ring state (see module doc).
+
+    A `moe.ExpertProvider`: the same rows as `routed_experts(u, sel, w, experts)` on all experts, bit
+    for bit, whichever experts are resident.
+
+    Layout of one call: `lax.cond(all hit)` returns the output, the small state (LUT, ring, counters),
+    the staging buffer (the callback's experts, or the old buffer passed through) and the ring slots
+    to overwrite; the stack is written after the cond, by a second cond on "any slot to overwrite".
+    (Writing the stack inside the first cond made XLA copy the whole stack on every miss.)
+    """
+
+    def __init__(self, spec: LayerSpec, streamer: Streamer, staged: nnx.Dict | None = None, mode: str = "grouped"):
+        """staged: the staging buffer shared by the layers of this block-type mix (`staging_buffer`);
+        mode: the dispatch of device-resident experts ("grouped" | "per_token", bitwise equal)."""
+        if mode not in EXPERT_MODES:
+            raise ValueError(f"expert_mode must be one of {EXPERT_MODES}, got {mode!r}")
+        self.spec = spec
+        self.streamer = streamer
+        self.mode = mode
+        S, E = spec.n_slots, spec.n_expert
+        for j, m in enumerate(MATRICES):
+            shape = (S,) + matrix_shape(spec, m)
+            setattr(self, m, storage_variables(expert_storage(shape, spec.qtypes[j]), ExpertCache))
+        self.staged = staged if staged is not None else staging_buffer(spec)
+        i32 = jnp.int32
+        self.lut = ExpertCache(jnp.full((E,), -1, i32))
+        self.slot_expert = ExpertCache(jnp.full((S,), -1, i32))
+        self.stamp = ExpertCache(jnp.zeros((S,), i32))
+        self.protected = ExpertCache(jnp.zeros((S,), i32))
+        self.clock = ExpertCache(jnp.zeros((), i32))
+        self.counts = ExpertCache(jnp.zeros((E,), i32))
+        self.ctr = ExpertCache(jnp.zeros((len(CTR),), i32))
+
+    _SMALL = ("lut", "slot_expert", "stamp", "protected", "clock", "counts", "ctr")
+
+    def _weights(self, stack):
+        return ExpertWeights.from_storage(stack["gate"], stack["up"], stack["down"], self.spec.qtypes)
+
+    def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None) -> jax.Array:
+        """`moe.ExpertProvider`: the same rows as `routed_experts` on all experts, bit for bit."""
+        s, mode = self.spec, self.mode
+        N, k = sel.shape
+        E, S = s.n_expert, s.n_slots
+        v = {name: storage_values(getattr(self, name)) for name in self._SMALL}
+        stack = {m: storage_values(getattr(self, m)) for m in MATRICES}
+        staged = {m: storage_values(self.staged[m]) for m in MATRICES}
+        vmask = jnp.ones((N, k), bool) if valid is None else jnp.broadcast_to(valid[:, None], (N, k))
+        slot = v["lut"][sel]
+        hit = slot >= 0
+        ctr = v["ctr"]
+        for name, val in (("batches", 1), ("rows", vmask[:, 0].sum()), ("pairs", vmask.sum()),
+                          ("hits", (vmask & hit).sum()), ("misses", (vmask & ~hit).sum())):
+            ctr = ctr.at[_C[name]].add(jnp.asarray(val, jnp.int32))
+        batch_counts = jnp.bincount(jnp.where(vmask, sel, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
+        v["ctr"] = ctr.at[_C["unique"]].add((batch_counts > 0).sum().astype(jnp.int32))
+        v["counts"] = v["counts"] + batch_counts
+        v["clock"] = v["clock"] + 1
+        used = jnp.zeros((S + 1,), bool).at[jnp.where(hit, slot, S).reshape(-1)].set(True)[:S]
+        if s.n_ring:
+            v = slot_policy(s.policy).touch(v, used & (jnp.arange(S) >= s.n_pin), s.n_ring)
+        no_write = jnp.full((self._n_write(N),), S, jnp.int32)
+
+        def fast(v, stack, staged, u, sel, w, slot, used, vmask):
+            out = dispatch.routed_experts(u, slot, w, self._weights(stack), mode=mode)
+            return out, v, staged, no_write
+
+        def slow(v, stack, staged, u, sel, w, slot, used, vmask):
+            return self._slow(v, stack, staged, u, sel, w, slot, used, vmask, mode)
+
+        args = (v, stack, staged, u, sel, w, slot, used, vmask)
+        if S == 0:
+            out, v, staged, tgt = slow(*args)
+        else:
+            out, v, staged, tgt = jax.lax.cond(jnp.all(hit), fast, slow, *args)
+        if tgt.shape[0]:
+            nv = tgt.shape[0]
+            stack = jax.lax.cond(jnp.any(tgt < S),
+                                 lambda st: {m: jax.tree.map(lambda a, b: a.at[tgt].set(b[:nv], mode="drop"),
+                                                             st[m], staged[m]) for m in MATRICES},
+                                 lambda st: st, stack)
+        for name in self._SMALL:
+            _set(getattr(self, name), v[name])
+        for m in MATRICES:
+            _set(getattr(self, m), stack[m])
+            _set(self.staged[m], staged[m])
+        return out
+
+    def _n_write(self, n_rows: int) -> int:
+        """Ring slots one batch may overwrite (static)."""
+        return min(self.spec.n_stage(n_rows), self.spec.n_ring)
+
+    def _slow(self, v, stack, staged, u, sel, w, slot, used, vmask, mode):
+        """Some pair misses: one callback streams / host-computes the cold experts; ring decisions."""
+        s = self.spec
+        N, k = sel.shape
+        E, S, D, F = s.n_expert, s.n_slots, s.d_model, s.d_ff
+        hit = slot >= 0
+        m_max = min(N * k, E)
+        n_stage = s.n_stage(N)
+        with_host = n_stage < m_max
+        mcount = jnp.bincount(jnp.where(hit, E, sel).reshape(-1), length=E + 1)[:E]
+        order = jnp.argsort(-mcount, stable=True)[:m_max].astype(jnp.int32)  # most rows first
+        is_miss = mcount[order] > 0
+        rank = jnp.arange(m_max)
+        stream_ids = jnp.pad(jnp.where(is_miss & (rank < n_stage), order, -1)[:n_stage],
+                             (0, max(0, n_stage - m_max)), constant_values=-1)
+        host_ids = jnp.where(is_miss & (rank >= n_stage), order, -1)
+        shapes = []
+        if n_stage:
+            src = self.streamer.sources[s.layer]
+            shapes += [jax.ShapeDtypeStruct((n_stage,) + vw.shape[1:], jnp.uint8) for vw in src.views]
+        if with_host:
+            shapes.append(jax.ShapeDtypeStruct((N, k, D), jnp.float32))
+        res = io_callback(functools.partial(self.streamer.serve, s.layer, n_stage, with_host), tuple(shapes),
+                          stream_ids, host_ids, u, sel, vmask[:, 0], ordered=False)
+        ctr = v["ctr"]
+        ctr = ctr.at[_C["slow_batches"]].add(1)
+        ctr = ctr.at[_C["streamed"]].add((stream_ids >= 0).sum().astype(jnp.int32))
+        ctr = ctr.at[_C["host_experts"]].add((host_ids >= 0).sum().astype(jnp.int32))
+        tgt = jnp.full((self._n_write(N),), S, jnp.int32)
+        if n_stage:
+            shapes3 = ((n_stage, F, D), (n_stage, F, D), (n_stage, D, F))
+            staged = {m: to_expert_storage(res[j], shapes3[j], s.qtypes[j]) for j, m in enumerate(MATRICES)}
+            if s.n_ring:
+                v, ctr, tgt = self._insert(v, ctr, stream_ids, used)
+        v["ctr"] = ctr
+        # Pair -> index into [slot stack ; staging], or -1 for host-computed pairs.
+        pos = jnp.full((E + 1,), -1, jnp.int32)
+        if n_stage:
+            pos = pos.at[jnp.where(stream_ids >= 0, stream_ids, E)].set(jnp.arange(n_stage, dtype=jnp.int32))
+        sp = pos[:E][sel]
+        idx = jnp.where(hit, slot, jnp.where(sp >= 0, S + sp, -1))
+        on_dev = idx >= 0
+        v["ctr"] = v["ctr"].at[_C["host_pairs"]].add((vmask & ~on_dev).sum().astype(jnp.int32))
+        if S or n_stage:
+            view = _Stacked(self._weights(stack) if S else None, self._weights(staged) if n_stage else None, S)
+            idx_d = jnp.where(on_dev, idx, jnp.maximum(jnp.max(idx), 0))  # host pairs ride along a used expert
+            y_dev = jax.lax.cond(jnp.any(on_dev), lambda: dispatch.expert_rows(u, idx_d, view, mode)[0],
+                                 lambda: jnp.zeros((N, k, D), jnp.float32))
+            y = jnp.where(on_dev[..., None], y_dev, res[-1]) if with_host else y_dev
+        else:
+            y = res[-1]
+        return dispatch.weighted_reduce(y, w.astype(jnp.float32)), v, staged, tgt
+
+    def _insert(self, v, ctr, stream_ids, used):
+        """Ring victims for the streamed experts (chosen by the layer's policy) and the bookkeeping;
+        returns the slots to overwrite (S: none)."""
+        s = self.spec
+        E, S = s.n_expert, s.n_slots
+        policy = slot_policy(s.policy)
+        nv = min(stream_ids.shape[0], s.n_ring)  # == _n_write(N): the shape the fast branch returns
+        victims = policy.victims(v, used, s.n_pin, nv)
+        sid = stream_ids[:nv]
+        ok = (sid >= 0) & ~used[victims]
+        old = v["slot_expert"][victims]
+        evict = ok & (old >= 0)
+        lut = v["lut"].at[jnp.where(evict, old, E)].set(-1, mode="drop")
+        lut = lut.at[jnp.where(ok, sid, E)].set(victims, mode="drop")
+        tgt = jnp.where(ok, victims, S)
+        v["lut"] = lut
+        v["slot_expert"] = v["slot_expert"].at[tgt].set(sid, mode="drop")
+        v = policy.admit(v, tgt)
+        ctr = ctr.at[_C["evicted"]].add(evict.sum().astype(jnp.int32))
+        ctr = ctr.at[_C["ring_inserts"]].add(ok.sum().astype(jnp.int32))
+        return v, ctr, tgt
