@@ -25,7 +25,7 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from experiments.timing import fmt_spread, interleaved, put_spread, spread
+from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread, spread
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Preset name (configs/models.json) or GGUF path; default: "
@@ -81,6 +81,7 @@ def _llama_cpp(path: Path, ids: list[int], text: str, ks: list[int], n: int) -> 
 
 def main(argv) -> int:
     del argv
+    line_buffered()
     logging.set_verbosity(logging.WARNING)
     import sharpi_jax as sj
     from sharpi_jax.errors import SharpiError

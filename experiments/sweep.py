@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 from absl import app, flags
 
-from experiments.timing import fmt_spread, interleaved, put_spread
+from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "Sweep config (JSON).", required=True)
@@ -172,10 +172,8 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | Non
     """Run every (model, load options, point, prompt): one unrecorded warm-up run each, then `repeats`
     (default: the config's, else 3) interleaved rounds over all of them; write one record per (model,
     point, prompt) with the median and min/max of every timing (`aggregate`) to out_path; return them."""
-    import gc
-
     import sharpi_jax as sj
-    from experiments.presets import resolve_model
+    from experiments.presets import release_compiled_code, resolve_model
 
     prompts = resolve_prompts(cfg.get("prompts"))
     repeats = int(repeats if repeats is not None else cfg.get("repeats", DEFAULT_REPEATS))
@@ -232,13 +230,14 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | Non
                     log(f"{model_name} {point} prompt {pi}: {fmt_spread(rec['decode_tok_s_runs'])} decode tok/s "
                         "(median [min-max])")
                 del engines
-                gc.collect()
+                release_compiled_code()
     log(f"{len(records)} records in {time.perf_counter() - t0:.0f}s")
     return records
 
 
 def main(argv) -> int:
     del argv
+    line_buffered()
     from sharpi_jax.errors import SharpiError
 
     try:

@@ -16,6 +16,14 @@ import time
 from typing import Any, Callable, Sequence
 
 
+def line_buffered() -> None:
+    """Flush stdout at every line, so progress shows when the output is piped (`| tee log`)."""
+    try:
+        sys.stdout.reconfigure(line_buffering=True)
+    except (AttributeError, ValueError):
+        pass
+
+
 def spread(values: Sequence[float]) -> dict[str, float]:
     """{"median", "min", "max"} of the values (an empty sequence gives NaNs)."""
     vals = [float(v) for v in values if v is not None]
