@@ -172,7 +172,7 @@ def bench_grid(path: Path, emit) -> list[dict]:
             cell[0]["warmup_s"] = time.perf_counter() - t
 
         results = interleaved(cells, lambda cell: _run_phases(cell[1], prompt, FLAGS.decode_tokens), repeats,
-                              warm=warm, log=lambda m: None)
+                              warm=warm, log=lambda m: print(m, flush=True), what="engines")
         for (fields, _), runs in zip(cells, results):
             r = dict(base, repeats=repeats, **fields, **runs[0])
             for key, first in runs[0].items():

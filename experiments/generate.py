@@ -45,7 +45,7 @@ flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
                   "rounds in this run; print both decode tok/s and the ratio.")
-flags.DEFINE_integer("repeats", 3, "Timed rounds of each mode for --compare (median and min/max reported).",
+flags.DEFINE_integer("repeats", 5, "Timed rounds of each mode for --compare (median and min/max reported).",
                      lower_bound=1)
 
 
