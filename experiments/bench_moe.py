@@ -17,6 +17,7 @@ warm-up call of each path (compilation), then --repeats calls alternating per-to
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 
@@ -83,7 +84,12 @@ def main(argv: Sequence[str]) -> None:
             f"{'grouped ms':>10} {'speedup':>7} | {'cpu ms p-t':>10} {'cpu ms gr':>9} {'cpu x':>5} | {'bitwise':>7}")
     print(head)
     print("-" * len(head))
+    last_s = 0.0
     for n in (int(s) for s in FLAGS.sizes):
+        t_size = time.perf_counter()
+        if last_s > 3:  # the previous size was slow and this one is bigger: say what is running
+            print(f"  (timing N={n}: a warm-up and {FLAGS.repeats} calls of each path; the last size took "
+                  f"{last_s:.0f}s)", file=sys.stderr, flush=True)
         sel_np, w_np = _route(rng, n, e, k, bias)
         u = jnp.asarray(rng.standard_normal((n, d), dtype=np.float32))
         sel, w = jnp.asarray(sel_np), jnp.asarray(w_np)
@@ -113,6 +119,7 @@ def main(argv: Sequence[str]) -> None:
               f"{stats['bytes_grouped'] / mib:>9.1f} {bytes_pt / bytes_gr:>6.2f} | {t_pt * 1e3:>12.1f} "
               f"{t_gr * 1e3:>10.1f} {t_pt / t_gr:>7.2f} | {c_pt * 1e3:>10.1f} {c_gr * 1e3:>9.1f} "
               f"{c_pt / max(c_gr, 1e-9):>5.2f} | {str(same) + (' NaN!' if nan else ''):>7}", flush=True)
+        last_s = time.perf_counter() - t_size
         if FLAGS.check and not same:
             raise AssertionError(f"N={n}: grouped != per_token")
         if FLAGS.json_out:
