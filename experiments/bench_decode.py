@@ -1,8 +1,11 @@
 """Prefill and decode tokens/s: every fixture GGUF, plus a synthetic 35B-A3B-shaped 4-layer Q4_K model.
 
     python -m experiments.bench_decode [--prompt_tokens=128] [--decode_tokens=64] [--llama_bin=PATH]
+    python -m experiments.bench_decode --models=default,tiny-qwen35-Q8_0 --repeats=5
 
-Our figures are taken after a warm-up run (jit compilation excluded). llama.cpp's figures are printed
+Our figures: every model is loaded and warmed up (jit compilation excluded), then --repeats rounds
+each run every model once (interleaved, experiments.timing); each figure is the median round with its
+min and max (records: prefill_tok_s, decode_tok_s, with _min, _max, _runs). llama.cpp's figures are printed
 beside ours when llama-cpp-python is importable (same GGUF, same prompt, 2 threads) or when
 --llama_bin names a llama.cpp bin directory with `llama-bench`, with the ratios ours / llama.cpp.
 Timings only; nothing here is a test.
@@ -21,11 +24,17 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import llama_cpp_side
+from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
+from sharpi_jax.errors import SharpiError
 
 FLAGS = flags.FLAGS
 REPO = Path(__file__).resolve().parents[1]
 flags.DEFINE_string("fixtures", str(REPO.parent / "shared" / "fixtures"), "Fixture directory.")
 flags.DEFINE_string("only", None, "Regex: bench only the GGUFs whose file name matches.")
+flags.DEFINE_list("models", None, "Preset names (configs/models.json) or GGUF paths to bench instead of the "
+                  "fixtures + synthetic model.")
+flags.DEFINE_integer("repeats", 3, "Timed rounds, interleaved over the models (median and min/max reported).",
+                     lower_bound=1)
 flags.DEFINE_integer("prompt_tokens", 128, "Prompt length for the prefill figure.")
 flags.DEFINE_integer("decode_tokens", 64, "Tokens generated for the decode figure.")
 flags.DEFINE_integer("max_context", 1024, "KV cache positions.")
@@ -51,7 +60,8 @@ def _prompt(engine, n: int, fixture_dir: Path | None) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def bench_ours(path: Path, n_prompt: int, n_decode: int, fixture_dir: Path | None) -> dict:
+def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None) -> tuple[object, list[int], dict]:
+    """(engine, prompt ids, {load_s, warmup_s}): loaded and warmed up (prefill buckets and decode compiled)."""
     import sharpi_jax as sj
 
     t = time.perf_counter()
@@ -60,12 +70,33 @@ def bench_ours(path: Path, n_prompt: int, n_decode: int, fixture_dir: Path | Non
     ids = _prompt(engine, n_prompt, fixture_dir)
     t = time.perf_counter()
     engine.generate(ids, max_new_tokens=3, stop_on_eos=False)  # compiles the prefill buckets and decode
-    compile_s = time.perf_counter() - t
-    out = engine.generate(ids, max_new_tokens=n_decode, stop_on_eos=False)
-    s = out.stats
-    return {"load_s": load_s, "warmup_s": compile_s, "prefill_tok_s": s["prefill_tok_s"],
-            "decode_tok_s": s["decode_tok_s"], "prompt_tokens": len(ids), "decode_tokens": len(out.tokens),
-            "ids": ids}
+    return engine, ids, {"load_s": load_s, "warmup_s": time.perf_counter() - t}
+
+
+def bench_ours(models: list[tuple[str, Path, Path | None, int, int]], repeats: int) -> list[dict]:
+    """Every model loaded and warmed up, then `repeats` interleaved rounds (each model once per round):
+    one record per model with prefill / decode tok/s as median, _min, _max, _runs (experiments.timing)."""
+    loaded = []
+    for name, path, fixture_dir, n_prompt, n_decode in models:
+        engine, ids, info = load_ours(path, n_prompt, fixture_dir)
+        print(f"  {name}: loaded in {info['load_s']:.1f}s, warm-up {info['warmup_s']:.1f}s", file=sys.stderr,
+              flush=True)
+        loaded.append((engine, ids, n_decode, info))
+
+    def run(cell):
+        engine, ids, n_decode, _ = cell
+        return engine.generate(ids, max_new_tokens=n_decode, stop_on_eos=False)
+
+    results = interleaved(loaded, run, repeats, warmup=False, what="models",
+                          log=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = []
+    for (engine, ids, _, info), outs in zip(loaded, results):
+        row = {**info, "prompt_tokens": len(ids), "decode_tokens": len(outs[0].tokens), "repeats": repeats,
+               "ids": ids}
+        put_spread(row, "prefill_tok_s", [o.stats["prefill_tok_s"] for o in outs])
+        put_spread(row, "decode_tok_s", [o.stats["decode_tok_s"] for o in outs])
+        rows.append(row)
+    return rows
 
 
 def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:
@@ -75,7 +106,16 @@ def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:
 
 
 def _models() -> list[tuple[str, Path, Path | None, int, int]]:
+    from experiments.presets import resolve_model
+
     models = []
+    if FLAGS.models:
+        for m in FLAGS.models:
+            path = resolve_model(m)
+            fixture_dir = path.parent if (path.parent / "references.json").exists() else None
+            models.append((Path(m).stem if m.endswith(".gguf") else m, path, fixture_dir, FLAGS.prompt_tokens,
+                           FLAGS.decode_tokens))
+        return models
     fixtures = Path(FLAGS.fixtures)
     for d in sorted(p for p in fixtures.glob("tiny-*") if p.is_dir()):
         for g in sorted(d.glob("*.gguf")):
@@ -83,20 +123,18 @@ def _models() -> list[tuple[str, Path, Path | None, int, int]]:
     if not models:
         logging.warning("no fixture GGUFs under %s", fixtures)
     if FLAGS.synthetic:
-        try:
+        path = Path(FLAGS.synthetic_path)
+        if not path.exists():
+            from sharpi_jax.config import qwen36_35b_a3b
             from sharpi_jax.testing import write_synthetic_gguf
-        except ImportError:
-            write_synthetic_gguf = None
-        if write_synthetic_gguf is not None:
-            path = Path(FLAGS.synthetic_path)
-            if not path.exists():
-                from sharpi_jax.config import qwen36_35b_a3b
 
-                path.parent.mkdir(parents=True, exist_ok=True)
-                print(f"writing {path} ...", file=sys.stderr)
-                write_synthetic_gguf(path, qwen36_35b_a3b(n_layer=4), qtype="Q4_K", seed=0)
-            models.append(("synthetic-35B-A3B-4L-Q4_K", path, None, FLAGS.synthetic_prompt_tokens,
-                           FLAGS.synthetic_decode_tokens))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            print(f"writing {path} (once; reused after) ...", file=sys.stderr, flush=True)
+            tmp = path.with_suffix(".partial")
+            write_synthetic_gguf(tmp, qwen36_35b_a3b(n_layer=4), qtype="Q4_K", seed=0, progress=True)
+            tmp.rename(path)
+        models.append(("synthetic-35B-A3B-4L-Q4_K", path, None, FLAGS.synthetic_prompt_tokens,
+                       FLAGS.synthetic_decode_tokens))
     if FLAGS.only:
         models = [m for m in models if re.search(FLAGS.only, m[1].name)]
     return models
@@ -104,14 +142,28 @@ def _models() -> list[tuple[str, Path, Path | None, int, int]]:
 
 def main(argv) -> int:
     del argv
+    line_buffered()
     logging.set_verbosity(logging.WARNING)
     rows = []
-    header = (f"{'model':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   {'llama.cpp prefill':>17s} "
-              f"{'decode':>8s}   {'ours/llama.cpp prefill':>22s} {'decode':>7s}")
+    header = (f"{'model':34s} {'prefill tok/s [min-max]':>26s} {'decode tok/s [min-max]':>24s}   "
+              f"{'llama.cpp prefill':>17s} {'decode':>8s}   {'ours/llama.cpp prefill':>22s} {'decode':>7s}")
+    try:
+        models = _models()
+    except SharpiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not models:
+        print("error: no model to bench (no fixtures found, --nosynthetic, or --only matched nothing)",
+              file=sys.stderr)
+        return 2
+    try:
+        ours_rows = bench_ours(models, FLAGS.repeats)
+    except SharpiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(header)
     print("-" * len(header))
-    for name, path, fixture_dir, n_prompt, n_decode in _models():
-        ours = bench_ours(path, n_prompt, n_decode, fixture_dir)
+    for (name, path, _, _, n_decode), ours in zip(models, ours_rows):
         ids = ours.pop("ids")
         ref = bench_llama_cpp(path, ids, n_decode)
         lc = ""
@@ -121,15 +173,16 @@ def main(argv) -> int:
             lc = f"{ref['prefill_tok_s']:17.1f} {ref['decode_tok_s']:8.1f}   {r_pre:22.2f} {r_dec:7.2f}"
         elif ref:
             lc = f"  ({ref['error'][:60]})"
-        print(f"{name:34s} {ours['prefill_tok_s']:14.1f} {ours['decode_tok_s']:13.1f}   {lc}", flush=True)
+        print(f"{name:34s} {fmt_spread(ours['prefill_tok_s_runs'], 26, 0)} "
+              f"{fmt_spread(ours['decode_tok_s_runs'], 24, 0)}   {lc}", flush=True)
         row = {"model": name, "path": str(path), **ours, "llama_cpp": ref}
         rows.append(row)
         if FLAGS.jsonl:
             with open(FLAGS.jsonl, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
     print(f"\n(prompt {FLAGS.prompt_tokens} tokens, {FLAGS.decode_tokens} decoded; synthetic: "
-          f"{FLAGS.synthetic_prompt_tokens} / {FLAGS.synthetic_decode_tokens}; ours after a warm-up, "
-          f"{os.cpu_count()} CPU cores)")
+          f"{FLAGS.synthetic_prompt_tokens} / {FLAGS.synthetic_decode_tokens}; ours: median [min-max] of "
+          f"{FLAGS.repeats} warm interleaved rounds, ratios of medians; {os.cpu_count()} CPU cores)")
     return 0
 
 

@@ -8,12 +8,16 @@ For each batch size N it routes N random tokens (top-k of random router logits),
 side by side: expert weight bytes read (per-token: N*k expert reads; grouped: one per unique expert,
 which must equal the unique-expert floor exactly; the grouped path's executed expert loads are
 counted inside the jitted loop, not inferred) and the median wall and process-CPU time per call
-(CPU time, summed over XLA's threads, is the steadier figure when the machine is shared).
+(CPU time, summed over XLA's threads, is the steadier figure when the machine is shared): per size a
+warm-up call of each path (compilation), then --repeats calls alternating per-token / grouped; the
+--json_out records carry median, _min, _max and _runs of every timing, and the fields
+`python -m experiments.plot` draws expert_reads_vs_batch.png from.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.timing import interleaved, line_buffered, put_spread, spread
 from sharpi_jax.experts import dispatch
 
 FLAGS = flags.FLAGS
@@ -31,7 +36,8 @@ flags.DEFINE_integer("n_expert", 256, "Experts in the layer.")
 flags.DEFINE_integer("top_k", 8, "Experts per token.")
 flags.DEFINE_integer("d_ff", 512, "Expert FFN width.")
 flags.DEFINE_integer("d_model", 2048, "Hidden width.")
-flags.DEFINE_integer("repeats", 3, "Timed calls per path and size (median reported).")
+flags.DEFINE_integer("repeats", 3, "Timed calls per path and size, interleaved (median printed; min/max in "
+                     "--json_out).", lower_bound=1)
 flags.DEFINE_enum("row_kernel", "gemm", dispatch.ROW_KERNELS, "Row-stable product of both paths.")
 flags.DEFINE_integer("row_tile", 0, "Fixed grouped-gemm rows per tile (0: the default ladder sized to each bucket).")
 flags.DEFINE_float("skew", 0.0, "Router logit scale of a fixed per-expert popularity bias (0: uniform).")
@@ -48,21 +54,17 @@ def _route(rng: np.random.Generator, n: int, n_expert: int, k: int, bias: np.nda
     return sel, w
 
 
-def _time(fn, repeats: int) -> tuple[float, float, jax.Array]:
-    """(median wall seconds, median process CPU seconds, output). CPU time (all threads) is the
-    steadier figure on a shared machine; wall time is what a caller waits."""
-    out = jax.block_until_ready(fn())  # compile + warm
-    wall, cpu = [], []
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = jax.block_until_ready(fn())
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return float(np.median(wall)), float(np.median(cpu)), out
+def _timed(fn):
+    """(wall seconds, process CPU seconds, output) of one call. CPU time (all threads) is the steadier
+    figure on a shared machine; wall time is what a caller waits."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def main(argv: Sequence[str]) -> None:
     del argv
+    line_buffered()
     rng = np.random.default_rng(FLAGS.seed)
     e, k, f, d = FLAGS.n_expert, FLAGS.top_k, FLAGS.d_ff, FLAGS.d_model
     t0 = time.perf_counter()
@@ -72,7 +74,8 @@ def main(argv: Sequence[str]) -> None:
           f"{bpe / 2**20:.3f} MiB per expert, {e * bpe / 2**30:.2f} GiB per layer "
           f"(built in {time.perf_counter() - t0:.1f}s)")
     print(f"backend: {jax.default_backend()}, {jax.device_count()} device(s); row_kernel={FLAGS.row_kernel}; "
-          f"median of {FLAGS.repeats}")
+          f"per size: a warm-up call of each path, then the median of {FLAGS.repeats} interleaved calls "
+          "(min/max in --json_out)", flush=True)
     bias = FLAGS.skew * rng.standard_normal(e)
     row_tile = FLAGS.row_tile or None
 
@@ -81,7 +84,12 @@ def main(argv: Sequence[str]) -> None:
             f"{'grouped ms':>10} {'speedup':>7} | {'cpu ms p-t':>10} {'cpu ms gr':>9} {'cpu x':>5} | {'bitwise':>7}")
     print(head)
     print("-" * len(head))
+    last_s = 0.0
     for n in (int(s) for s in FLAGS.sizes):
+        t_size = time.perf_counter()
+        if last_s > 3:  # the previous size was slow and this one is bigger: say what is running
+            print(f"  (timing N={n}: a warm-up and {FLAGS.repeats} calls of each path; the last size took "
+                  f"{last_s:.0f}s)", file=sys.stderr, flush=True)
         sel_np, w_np = _route(rng, n, e, k, bias)
         u = jnp.asarray(rng.standard_normal((n, d), dtype=np.float32))
         sel, w = jnp.asarray(sel_np), jnp.asarray(w_np)
@@ -92,8 +100,13 @@ def main(argv: Sequence[str]) -> None:
             return lambda: dispatch.routed_experts(u, sel, w, experts, mode, row_kernel=FLAGS.row_kernel,
                                                    row_tile=row_tile, with_stats=True)
 
-        t_pt, c_pt, (y_pt, s_pt) = _time(run("per_token"), FLAGS.repeats)
-        t_gr, c_gr, (y_gr, s_gr) = _time(run("grouped"), FLAGS.repeats)
+        # Warm-up (compile) each path, then interleaved rounds per-token, grouped, per-token, ...
+        runs = interleaved([run("per_token"), run("grouped")], _timed, FLAGS.repeats, log=lambda m: None)
+        (_, _, (y_pt, s_pt)), (_, _, (y_gr, s_gr)) = runs[0][-1], runs[1][-1]
+        wall_pt, cpu_pt = [r[0] for r in runs[0]], [r[1] for r in runs[0]]
+        wall_gr, cpu_gr = [r[0] for r in runs[1]], [r[1] for r in runs[1]]
+        t_pt, c_pt = spread(wall_pt)["median"], spread(cpu_pt)["median"]
+        t_gr, c_gr = spread(wall_gr)["median"], spread(cpu_gr)["median"]
         bytes_pt = int(s_pt["expert_loads"]) * bpe
         bytes_gr = int(s_gr["expert_loads"]) * bpe
         if bytes_gr != stats["bytes_grouped"] or bytes_pt != stats["bytes_per_token"]:
@@ -106,6 +119,7 @@ def main(argv: Sequence[str]) -> None:
               f"{stats['bytes_grouped'] / mib:>9.1f} {bytes_pt / bytes_gr:>6.2f} | {t_pt * 1e3:>12.1f} "
               f"{t_gr * 1e3:>10.1f} {t_pt / t_gr:>7.2f} | {c_pt * 1e3:>10.1f} {c_gr * 1e3:>9.1f} "
               f"{c_pt / max(c_gr, 1e-9):>5.2f} | {str(same) + (' NaN!' if nan else ''):>7}", flush=True)
+        last_s = time.perf_counter() - t_size
         if FLAGS.check and not same:
             raise AssertionError(f"N={n}: grouped != per_token")
         if FLAGS.json_out:
@@ -114,10 +128,13 @@ def main(argv: Sequence[str]) -> None:
                 "qtype": FLAGS.qtype, "row_kernel": FLAGS.row_kernel, "row_tiles": list(tiles),
                 "unique_experts": stats["unique_experts"], "max_rows_per_expert": stats["max_rows_per_expert"],
                 "bytes_per_token": bytes_pt, "bytes_grouped": bytes_gr, "bytes_floor": stats["bytes_grouped"],
-                "ms_per_token": t_pt * 1e3, "ms_grouped": t_gr * 1e3, "cpu_ms_per_token": c_pt * 1e3,
-                "cpu_ms_grouped": c_gr * 1e3, "bitwise_equal": same,
-                "backend": jax.default_backend(),
+                # the fields experiments.plot draws expert_reads_vs_batch.png from (bytes read per routed token)
+                "N": n, "per_token_bytes_per_token": bytes_pt / n, "grouped_bytes_per_token": bytes_gr / n,
+                "bitwise_equal": same, "backend": jax.default_backend(), "repeats": FLAGS.repeats,
             }
+            for key, vals in (("ms_per_token", wall_pt), ("ms_grouped", wall_gr), ("cpu_ms_per_token", cpu_pt),
+                              ("cpu_ms_grouped", cpu_gr)):
+                put_spread(rec, key, [1e3 * v for v in vals])
             with open(FLAGS.json_out, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(rec) + "\n")
 

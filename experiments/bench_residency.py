@@ -1,30 +1,41 @@
 r"""Expert residency: decode / prefill tokens/s, hit rate and bytes streamed per token vs budget and policy.
 
-    python -m experiments.bench_residency                     # the synthetic 35B-A3B 4L Q4_K preset
-    python -m experiments.bench_residency --n_layer=2 --n_vocab=4096   # what the report table used
+    python -m experiments.bench_residency                     # 2-layer 35B-A3B-shaped model, vocab 4096
+    python -m experiments.bench_residency --n_layer=4 --n_vocab=0 --budgets=0.1,0.25,0.5,0.75,1.0  # bigger
     python -m experiments.bench_residency --threshold_only    # host compute vs streaming
 
-One run loads the model once per (budget, policy) cell (expert_budget = `residency.budget_for_fraction`:
-that fraction of all routed experts in slots, plus the top-k staging below 100%), warms the jitted
-steps up, then times a prefill of --prompt_tokens random ids and --decode_tokens decode steps (fed from
-the same random stream) driven through the Runtime, reading the residency counters between the
+The default model is a synthetic 35B-A3B-shaped slice (--n_layer=2 trunk layers + MTP, real expert
+shapes: 256 experts top-8, Q4_K) with zero-mean Q8_0 dense weights, so routing spreads like a real
+router's (179 of 256 experts used over 128 random tokens, the top 10% taking 57% of the routing), and a
+4096-token vocabulary (--n_vocab) so the 248k-token LM head does not dominate decode. Written once into
+$SHARPI_CACHE/synthetic and reused. The default run (budgets 10 / 25 / 50% x policies frequency /
+lru, 2 rounds of a 32-token prefill and 16 decode steps, no threshold microbenchmark) takes a few
+minutes on a 2-core CPU, most of it compiling one engine per cell, and prints a line per record;
+widen it with --budgets, --policies (static, slru), --repeats, --prompt_tokens / --prefill_buckets,
+--threshold.
+
+For each budget (expert_budget = `residency.budget_for_fraction`: that fraction of all routed experts
+in slots, plus the top-k staging below 100%) the model is loaded once per policy; every engine is
+warmed up (compilation excluded), then --repeats rounds each time every policy once (interleaved,
+experiments.timing): a prefill of --prompt_tokens random ids and --decode_tokens decode steps (fed
+from the same random stream) driven through the Runtime, reading the residency counters between the
 phases. "frequency" (and the initial fill of lru/slru) use counts calibrated on a different random
-prompt (saved beside the model). A first record with no budget (every expert resident, no residency
+prompt (saved beside --out). A first record with no budget (every expert resident, no residency
 code) is the baseline. Records go to --out as JSONL, one line as each cell finishes (fields the
 plotter reads: model, expert_budget_frac, expert_policy, hit_rate (decode phase), decode_tok_s,
-prefill_tok_s, bytes_streamed_per_token (decode phase)), and the figures to --plot_dir.
+prefill_tok_s, bytes_streamed_per_token (decode phase)); every float figure is the median of the
+rounds with `_min` / `_max` beside it (and `_runs` for tokens/s); the figures go to --plot_dir.
 
-The default preset's random Q4_K blocks have non-zero means, so every token's hidden state shares one
-direction and routing collapses onto ~10 experts per layer (the run prints the spread it calibrated
-and warns): hit rates are then trivially 1 for any calibrated policy. The --n_layer path writes a
-35B-A3B-shaped model with zero-mean Q8_0 dense weights and Q4_K experts instead (179 of 256 experts
-used over 128 random tokens, the top 10% taking 57% of the routing); --n_vocab keeps the 248k-token
-LM head from dominating decode.
+--model=synthetic-qwen36-35b-a3b-4L-Q4_K (random Q4_K blocks everywhere) is a poor residency model:
+the blocks have non-zero means, so every token's hidden state shares one direction and routing
+collapses onto ~10 experts per layer (the run prints the spread it calibrated and warns); hit rates are
+then trivially 1 for any calibrated policy.
 
 --threshold: one MoE layer of the model with every expert cold, called on N rows (N = 2: the decode
-bucket, one token), once with cold="stream" (all misses staged and computed on the device) and once
-with cold="host" (computed in the callback from the mmap); the smallest N where streaming costs less
-process CPU time is the "auto" threshold (`streaming.DEFAULT_STREAM_MIN_ROWS`). Timings only.
+bucket, one token), with cold="stream" (all misses staged and computed on the device) and with
+cold="host" (computed in the callback from the mmap), alternating, --threshold_repeats times each after
+a warm-up; the smallest N where streaming's median process CPU time is lower is the "auto" threshold
+(`streaming.DEFAULT_STREAM_MIN_ROWS`). Timings only.
 """
 
 from __future__ import annotations
@@ -37,24 +48,33 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
+from experiments.timing import interleaved, line_buffered, put_spread
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "synthetic-qwen36-35b-a3b-4L-Q4_K", "Preset name or GGUF path.")
-flags.DEFINE_integer("n_layer", None, "Write/reuse a synthetic qwen36-35b-a3b-shaped model with this many layers.")
-flags.DEFINE_integer("n_vocab", None, "With --n_layer: the synthetic model's vocabulary (default: the real one).")
-flags.DEFINE_string("qtype", "Q8_0", "With --n_layer: the synthetic model's block type (non-expert matrices).")
-flags.DEFINE_string("expert_qtype", "Q4_K", "With --n_layer: the routed experts' block type.")
-flags.DEFINE_list("budgets", ["0.1", "0.25", "0.5", "0.75", "1.0"], "Fractions of all routed expert bytes.")
-flags.DEFINE_list("policies", ["static", "frequency", "lru", "slru"], "Placement policies.")
-flags.DEFINE_integer("prompt_tokens", 64, "Prompt length (prefill figure).")
+flags.DEFINE_string("model", None, "Preset name or GGUF path (default: the synthetic model of --n_layer / --n_vocab).")
+flags.DEFINE_integer("n_layer", 2, "Without --model: write/reuse a synthetic qwen36-35b-a3b-shaped model with this "
+                     "many layers.", lower_bound=1)
+flags.DEFINE_integer("n_vocab", 4096, "Without --model: the synthetic model's vocabulary (0: the real 248320; its "
+                     "LM head then dominates decode).", lower_bound=0)
+flags.DEFINE_string("qtype", "Q8_0", "Without --model: the synthetic model's block type (non-expert matrices).")
+flags.DEFINE_string("expert_qtype", "Q4_K", "Without --model: the routed experts' block type.")
+flags.DEFINE_list("budgets", ["0.1", "0.25", "0.5"], "Fractions of all routed expert bytes (1.0: every expert "
+                  "resident, hit rate 1 under any policy).")
+flags.DEFINE_list("policies", ["frequency", "lru"], "Placement policies: static, frequency, lru, slru (each one "
+                  "more engine to compile per budget).")
+flags.DEFINE_integer("prompt_tokens", 32, "Prompt length (prefill figure).")
 flags.DEFINE_integer("decode_tokens", 16, "Greedy decode steps (decode figure).")
 flags.DEFINE_integer("calib_tokens", 256, "Tokens of the calibration prompt (frequency counts).")
 flags.DEFINE_integer("max_context", 512, "KV cache positions.")
-flags.DEFINE_list("prefill_buckets", ["64"], "Prefill chunk sizes.")
+flags.DEFINE_list("prefill_buckets", ["32"], "Prefill chunk sizes.")
 flags.DEFINE_bool("baseline", True, "Also bench the model with no expert budget.")
-flags.DEFINE_bool("threshold", True, "Also run the host-compute vs streaming microbenchmark.")
+flags.DEFINE_bool("threshold", False, "Also run the host-compute vs streaming microbenchmark (~1 minute more).")
 flags.DEFINE_bool("threshold_only", False, "Only the host-compute vs streaming microbenchmark.")
 flags.DEFINE_list("threshold_rows", ["2", "4", "8", "16", "32", "64"], "Bucket rows N for --threshold.")
-flags.DEFINE_integer("threshold_repeats", 3, "Timed calls per mode and N (minimum reported).")
+flags.DEFINE_integer("repeats", 2, "Timed rounds per cell, interleaved over the policies of a budget (median and "
+                     "min/max recorded).", lower_bound=1)
+flags.DEFINE_integer("threshold_repeats", 3, "Timed calls per mode and N, alternating stream / host (median and "
+                     "min/max recorded).", lower_bound=1)
 flags.DEFINE_string("out", "results/residency.jsonl", "JSONL output (appended).")
 flags.DEFINE_string("plot_dir", None, "Where the figures go (default: <out dir>/plots).")
 flags.DEFINE_integer("seed", 0, "RNG seed of the prompts.")
@@ -65,7 +85,7 @@ def _model_path() -> Path:
     from sharpi_jax.config import shape_preset
     from sharpi_jax.testing import write_synthetic_gguf
 
-    if FLAGS.n_layer is None:
+    if FLAGS.model is not None:
         return resolve_model(FLAGS.model)
     vocab = f"-V{FLAGS.n_vocab}" if FLAGS.n_vocab else ""
     eq = f"-E{FLAGS.expert_qtype}" if FLAGS.expert_qtype != FLAGS.qtype else ""
@@ -76,6 +96,7 @@ def _model_path() -> Path:
             c = c.replace(n_vocab=FLAGS.n_vocab)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_suffix(".partial")
+        print(f"writing {p} (once; reused after) ...", flush=True)
         write_synthetic_gguf(tmp, c, qtype=FLAGS.qtype, expert_qtype=FLAGS.expert_qtype, seed=0, progress=True,
                              name=p.stem)
         tmp.rename(p)
@@ -122,9 +143,8 @@ def _run_phases(engine, prompt: list[int], n_decode: int) -> dict:
 
 
 def bench_grid(path: Path, emit) -> list[dict]:
-    import gc
-
     import sharpi_jax as sj
+    from experiments.presets import release_compiled_code
     from sharpi_jax.experts import residency
 
     rng = np.random.default_rng(FLAGS.seed)
@@ -140,40 +160,66 @@ def bench_grid(path: Path, emit) -> list[dict]:
     f, c = calib.gguf, calib.config
     total = residency.budget_for_fraction(f, c, 1.0)
     base = dict(model=path.stem, prompt_tokens=len(prompt), decode_tokens=FLAGS.decode_tokens)
+    repeats = FLAGS.repeats
+
+    def measure(cells: list[tuple[dict, object]]) -> None:
+        """Warm every (record fields, engine) cell up, time `repeats` interleaved rounds over them, and
+        emit one record per cell: every figure the median of the rounds, with _min / _max (and _runs for
+        tokens/s; experiments.timing); the rest (budget, bytes) from the first round."""
+        def warm(cell):
+            t = time.perf_counter()
+            _run_phases(cell[1], prompt[:8], 2)  # compile (prefill bucket, decode)
+            cell[0]["warmup_s"] = time.perf_counter() - t
+
+        results = interleaved(cells, lambda cell: _run_phases(cell[1], prompt, FLAGS.decode_tokens), repeats,
+                              warm=warm, log=lambda m: print(m, flush=True), what="engines")
+        for (fields, _), runs in zip(cells, results):
+            r = dict(base, repeats=repeats, **fields, **runs[0])
+            for key, first in runs[0].items():
+                if isinstance(first, float):
+                    put_spread(r, key, [x[key] for x in runs], runs=key.endswith("_tok_s"))
+            records.append(r)
+            emit(r)
+
+    t_grid = time.perf_counter()
     if FLAGS.baseline:
-        _run_phases(calib, prompt[:8], 2)  # compile
-        r = dict(base, expert_policy="none", expert_budget_frac=None, **_run_phases(calib, prompt, FLAGS.decode_tokens))
-        records.append(r)
-        emit(r)
+        measure([(dict(expert_policy="none", expert_budget_frac=None), calib)])
     del calib
-    # Calibration: a full-budget engine counts routing on a different prompt; saved beside the model.
-    cal = sj.load(path, expert_budget=total, expert_policy="static", **opts)
-    counts = cal.calibrate_experts([calib_ids], save=True)
-    del cal
-    gc.collect()
-    used = {i: int((np.asarray(v) > 0).sum()) for i, v in counts.items()}
-    print(f"calibration: distinct experts per layer over {len(calib_ids)} tokens: {used}", flush=True)
-    if min(used.values()) < 4 * c.n_expert_used:
-        print("warning: routing is collapsed onto a few experts (random Q4_K blocks have non-zero means, so every "
-              "token's hidden state shares one direction); use --n_layer=N --qtype=Q8_0 --expert_qtype=Q4_K",
-              flush=True)
-    for frac in (float(b) for b in FLAGS.budgets):
+    release_compiled_code()
+    counts = None
+    if any(p != "static" for p in FLAGS.policies):  # static pins experts 0..n-1: no counts needed
+        # Calibration: a full-budget engine counts routing on a different prompt; saved beside the results
+        # (never beside the model: that may be the package's own default model).
+        out = Path(FLAGS.out)
+        cal = sj.load(path, expert_budget=total, expert_policy="static", **opts)
+        counts = cal.calibrate_experts([calib_ids],
+                                       save=out.with_name(f"{out.stem}.{path.stem}.expert-counts.json"))
+        del cal
+        release_compiled_code()
+        used = {i: int((np.asarray(v) > 0).sum()) for i, v in counts.items()}
+        print(f"calibration: distinct experts per layer over {len(calib_ids)} tokens: {used}", flush=True)
+        if min(used.values()) < 4 * c.n_expert_used:
+            print("warning: routing is collapsed onto a few experts (random Q4_K blocks have non-zero means, so "
+                  "every token's hidden state shares one direction); use the default synthetic model (no --model: "
+                  "zero-mean Q8_0 dense weights, Q4_K experts)", flush=True)
+    fracs = [float(b) for b in FLAGS.budgets]
+    for bi, frac in enumerate(fracs):
+        # One budget at a time (memory), its policies interleaved round by round.
         budget = residency.budget_for_fraction(f, c, frac)
+        cells = []
         for policy in FLAGS.policies:
             t = time.perf_counter()
             e = sj.load(path, expert_budget=budget, expert_policy=policy,
                         expert_counts=None if policy == "static" else counts, **opts)
-            load_s = time.perf_counter() - t
-            t = time.perf_counter()
-            _run_phases(e, prompt[:8], 2)  # compile (prefill bucket, decode)
-            warm_s = time.perf_counter() - t
-            r = dict(base, expert_policy=policy, expert_budget_frac=frac, expert_budget=budget,
-                     load_s=load_s, warmup_s=warm_s, **_run_phases(e, prompt, FLAGS.decode_tokens))
+            cells.append((dict(expert_policy=policy, expert_budget_frac=frac, expert_budget=budget,
+                               load_s=time.perf_counter() - t), e))
+        measure(cells)
+        for r in records[-len(cells):]:
             assert r["resident_bytes"] + r["staging_bytes"] <= budget or frac >= 1.0
-            records.append(r)
-            emit(r)
-            del e
-            gc.collect()
+        del cells, e
+        release_compiled_code()
+        print(f"  budget {frac:g} done ({bi + 1}/{len(fracs)} budgets, {time.perf_counter() - t_grid:.0f}s)",
+              flush=True)
     return records
 
 
@@ -203,6 +249,7 @@ def bench_threshold(path: Path, emit) -> list[dict]:
     bpe = max(b for _, b in geo.values())
     rng = np.random.default_rng(FLAGS.seed)
     records = []
+    t_start = time.perf_counter()
 
     def layer_fn(cold: str, staging: int):
         # Zero slots: the budget is exactly the staging, so every expert of a batch is cold.
@@ -226,35 +273,41 @@ def bench_threshold(path: Path, emit) -> list[dict]:
         w = jnp.where(valid[:, None], w, 0.0)
         unique = int(np.unique(np.asarray(sel)).size)
         row = {"N": n, "valid_rows": n_valid, "unique_experts": unique}
-        outs = {}
+        fns = {}
         for cold in ("stream", "host"):
             # Staging sized to this batch's misses (streaming cost follows the staging size, not the misses).
-            fn, state = layer_fn(cold, max(k, unique))
-            out, state = fn(state, u, sel, w, valid)  # compile
+            fns[cold] = list(layer_fn(cold, max(k, unique)))
+
+        def call(cold):
+            fn, st = fns[cold]
+            t, tc = time.perf_counter(), time.process_time()
+            out, fns[cold][1] = fn(st, u, sel, w, valid)
             out.block_until_ready()
-            best, best_cpu = float("inf"), float("inf")
-            for _ in range(FLAGS.threshold_repeats):
-                t, tc = time.perf_counter(), time.process_time()
-                out, state = fn(state, u, sel, w, valid)
-                out.block_until_ready()
-                best = min(best, time.perf_counter() - t)
-                best_cpu = min(best_cpu, time.process_time() - tc)
-            row[f"{cold}_ms"] = 1e3 * best
-            row[f"{cold}_cpu_ms"] = 1e3 * best_cpu
-            outs[cold] = np.asarray(out)
-            del fn, state
+            return time.perf_counter() - t, time.process_time() - tc, out
+
+        # Warm-up (compile) each mode, then alternating timed calls stream, host, stream, ...
+        runs = dict(zip(("stream", "host"), interleaved(["stream", "host"], call, FLAGS.threshold_repeats,
+                                                         log=lambda m: None)))
+        outs = {}
+        for cold, rs in runs.items():
+            put_spread(row, f"{cold}_ms", [1e3 * x[0] for x in rs], runs=False)
+            put_spread(row, f"{cold}_cpu_ms", [1e3 * x[1] for x in rs], runs=False)
+            outs[cold] = np.asarray(rs[-1][2])
+        del fns
         row["bitwise_equal"] = bool(np.array_equal(outs["stream"], outs["host"]))
-        # Process CPU time decides (the machine is shared: wall time is noisy); both are recorded.
+        # Process CPU time (median) decides (the machine is shared: wall time is noisy); both are recorded.
         row["faster"] = "stream" if row["stream_cpu_ms"] < row["host_cpu_ms"] else "host"
         records.append(dict(row, model=path.stem, bench="residency_threshold"))
         emit(records[-1])
     faster = [r["N"] for r in records if r["faster"] == "stream"]
     print(f"streaming is faster from N = {min(faster) if faster else 'never (in the range measured)'}", flush=True)
+    print(f"  threshold done in {time.perf_counter() - t_start:.0f}s", flush=True)
     return records
 
 
 def main(argv) -> int:
     del argv
+    line_buffered()
     from experiments.plot import plot_all
     from sharpi_jax.errors import SharpiError
 

@@ -6,8 +6,9 @@
 Default model: the tiny-qwen35moe-F32 fixture when present, else the embedded default model. Prompt:
 the fixture's prompt 0 (llama.cpp token ids) when the model has a references.json beside it, else
 --prompt. Every configuration is warmed up first (jit compilation excluded), then --repeats rounds run
-every configuration once each (interleaved); figures are each configuration's best round, in decode
-tokens/s. Each speculative run's tokens are checked against MTP off (they must be identical).
+every configuration once each (interleaved, experiments.timing); figures are each configuration's
+median round with min / max, in decode tokens/s (records: decode_tok_s, _min, _max, _runs). Each
+speculative run's tokens are checked against MTP off (they must be identical).
 
 llama.cpp side by side (optional): with --llama_bin=DIR (a llama.cpp bin directory), the same GGUF and
 prompt text run through `llama-speculative-simple --spec-type draft-mtp` for every k (best of
@@ -24,13 +25,16 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
+from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread, spread
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Preset name (configs/models.json) or GGUF path; default: "
                     "tiny-qwen35moe-F32 when the fixtures are present, else the embedded model.")
 flags.DEFINE_string("gguf", None, "Alias of --model.")
 flags.DEFINE_string("prompt", "def fibonacci(n):\n", "Prompt text when the model has no fixture prompts.")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per run.")
-flags.DEFINE_integer("repeats", 7, "Timed rounds (best round per configuration reported).")
+flags.DEFINE_integer("repeats", 5, "Timed rounds, interleaved (median and min/max per configuration reported).",
+                     lower_bound=1)
 flags.DEFINE_list("ks", ["1", "2", "3", "4", "5", "6", "7"], "Draft lengths k.")
 flags.DEFINE_integer("max_context", 1024, "KV cache positions.")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
@@ -77,6 +81,7 @@ def _llama_cpp(path: Path, ids: list[int], text: str, ks: list[int], n: int) -> 
 
 def main(argv) -> int:
     del argv
+    line_buffered()
     logging.set_verbosity(logging.WARNING)
     import sharpi_jax as sj
     from sharpi_jax.errors import SharpiError
@@ -93,50 +98,58 @@ def main(argv) -> int:
     ids, prompt_desc, prompt_text = _prompt(engine, path)
     n = FLAGS.new_tokens
     print(f"model {path.name} ({engine.config.arch}), prompt: {prompt_desc} ({len(ids)} tokens), "
-          f"{n} new tokens, greedy, best of {FLAGS.repeats} interleaved rounds", flush=True)
+          f"{n} new tokens, greedy; warm-up, then median [min-max] of {FLAGS.repeats} interleaved rounds", flush=True)
 
     configs = [{}] + [dict(speculative="mtp", draft_tokens=k, verify=v) for k in ks for v in ("sequential", "batched")]
-    for kw in configs:  # warm-up: compiles every configuration first
+
+    def run(kw):
+        return engine.generate(ids, max_new_tokens=n, stop_on_eos=False, **kw)
+
+    # Warm-up (compiles every configuration), then interleaved rounds, each running every configuration
+    # once (experiments.timing): on a shared machine this keeps load changes from favouring whichever
+    # configuration ran in a quiet spell. Figures: the median round, with min / max.
+    def warm(kw):  # long enough to compile prefill, decode, draft and verify of every configuration
         engine.generate(ids, max_new_tokens=min(n, 2 * (kw.get("draft_tokens", 1) + 1) + 2), stop_on_eos=False, **kw)
-    # Interleaved rounds (each round runs every configuration once), best round per configuration: on a
-    # shared machine this keeps load changes from favouring whichever configuration ran in a quiet spell.
-    best: list = [None] * len(configs)
-    for r in range(FLAGS.repeats):
-        for i, kw in enumerate(configs):
-            out = engine.generate(ids, max_new_tokens=n, stop_on_eos=False, **kw)
-            if best[i] is None or out.stats["decode_tok_s"] > best[i].stats["decode_tok_s"]:
-                best[i] = out
-        print(f"  round {r + 1}/{FLAGS.repeats} done", flush=True)
-    base, off = best[0], best[0].stats["decode_tok_s"]
-    records = [{"model": path.stem, "speculative": None, "draft_tokens": 0, "verify": None, "decode_tok_s": off,
-                "generated_tokens": len(base.tokens)}]
+
+    results = interleaved(configs, run, FLAGS.repeats, warm=warm, log=lambda m: print(m, flush=True),
+                          what="configurations")
+    tok_s = [[o.stats["decode_tok_s"] for o in outs] for outs in results]
+    med = [spread(t)["median"] for t in tok_s]
+    base, off = results[0][0], med[0]
+    records = [put_spread({"model": path.stem, "speculative": None, "draft_tokens": 0, "verify": None,
+                           "generated_tokens": len(base.tokens), "repeats": FLAGS.repeats}, "decode_tok_s", tok_s[0])]
     rows = []
     for j, k in enumerate(ks):
         res = {}
         for m, verify in enumerate(("sequential", "batched")):
-            out = best[1 + 2 * j + m]
-            s = out.stats
-            same = out.tokens == base.tokens
-            res[verify] = (s["decode_tok_s"], s, same)
-            records.append({"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": verify,
-                            "decode_tok_s": s["decode_tok_s"], "same_tokens_as_off": same,
-                            **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len",
-                                                       "drafted", "accepted", "verify_passes", "draft_s", "verify_s",
-                                                       "generated_tokens")}})
+            i = 1 + 2 * j + m
+            outs = results[i]
+            s = outs[0].stats
+            same = all(o.tokens == base.tokens for o in outs)
+            res[verify] = (med[i], s, same, tok_s[i])
+            rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": verify,
+                   "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+                   **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len",
+                                              "drafted", "accepted", "verify_passes", "generated_tokens")}}
+            put_spread(rec, "decode_tok_s", tok_s[i])
+            for key in ("draft_s", "verify_s"):
+                put_spread(rec, key, [o.stats[key] for o in outs], runs=False)
+            records.append(rec)
         rows.append((k, res))
 
-    print(f"\nMTP off: {off:.1f} decode tok/s")
-    hdr = (f"{'k':>2} {'seq tok/s':>10} {'batch tok/s':>11} {'batch/seq':>9} {'batch/off':>9} {'accept':>7} "
-           f"{'tok/pass':>8} {'draft_s':>8} {'verify_s':>8}  same tokens")
+    print(f"\nMTP off: {fmt_spread(tok_s[0])} decode tok/s (median [min-max] of {FLAGS.repeats} rounds)")
+    hdr = (f"{'k':>2} {'seq tok/s':>10} {'batch tok/s [min-max]':>23} {'batch/seq':>9} {'batch/off':>9} "
+           f"{'accept':>7} {'tok/pass':>8} {'draft_s':>8} {'verify_s':>8}  same tokens")
     print(hdr)
     print("-" * len(hdr))
     for k, res in rows:
-        (seq, _, seq_same), (bat, s, bat_same) = res["sequential"], res["batched"]
-        print(f"{k:>2} {seq:>10.1f} {bat:>11.1f} {bat / seq:>9.2f} {bat / off:>9.2f} {s['acceptance_rate']:>7.1%} "
-              f"{s['mean_accept_len']:>8.2f} {s['draft_s']:>8.3f} {s['verify_s']:>8.3f}  "
-              f"{'yes' if seq_same and bat_same else 'NO'}")
-    print("accept: accepted / drafted; tok/pass: mean accepted drafts + 1 per trunk pass; "
-          "draft_s / verify_s: MTP vs trunk seconds of the batched run.")
+        (seq, _, seq_same, _), (bat, s, bat_same, bat_runs) = res["sequential"], res["batched"]
+        rec = next(r for r in records if r.get("draft_tokens") == k and r.get("verify") == "batched")
+        print(f"{k:>2} {seq:>10.1f} {fmt_spread(bat_runs, 23)} {bat / seq:>9.2f} {bat / off:>9.2f} "
+              f"{s['acceptance_rate']:>7.1%} {s['mean_accept_len']:>8.2f} {rec['draft_s']:>8.3f} "
+              f"{rec['verify_s']:>8.3f}  {'yes' if seq_same and bat_same else 'NO'}")
+    print("tok/s: median of the rounds; ratios of medians; accept: accepted / drafted; tok/pass: mean accepted "
+          "drafts + 1 per trunk pass; draft_s / verify_s: MTP vs trunk seconds of the batched run (median).")
     lc_off, lc_mtp = _llama_cpp(path, ids, prompt_text, ks, n)
     if lc_off is not None or lc_mtp:
         _print_llama_cpp(off, rows, lc_off, lc_mtp)
@@ -168,7 +181,7 @@ def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> Non
     print(hdr)
     print("-" * len(hdr))
     for k, res in rows:
-        bat, s, _ = res["batched"]
+        bat, s, _, _ = res["batched"]
         lc = lc_mtp.get(k)
         if lc is None or "error" in lc:
             print(f"{k:>2} {bat:>10.1f} {bat / off:>12.2f}   ({(lc or {}).get('error', 'n/a')[:70]})")

@@ -1,9 +1,16 @@
 """Generate a continuation of a prompt.
 
     python -m experiments.generate --gguf=PATH --prompt="def fib(n):" --max_new_tokens=64 [--json]
+    python -m experiments.generate --speculative=mtp --draft_tokens=3 --max_new_tokens=48 --compare
 
 With no --gguf it runs the embedded default model. --json prints one JSON object {tokens, text, stats};
 otherwise the text, then a stats line on stderr.
+
+--compare (with --speculative=mtp) answers "does MTP pay on this model?" in the same run: MTP off and
+MTP are each warmed up (compilation excluded), then --repeats interleaved rounds (off, MTP, off, MTP,
+...; experiments.timing) time both on the same prompt and length; it prints both decode tokens/s
+(median [min-max]), the ratio MTP / off, and whether the tokens are identical (they must be). The
+text and stats shown are those of the first timed MTP run. With --json the object gets "compare".
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ flags.DEFINE_enum("expert_policy", "frequency", ["static", "frequency", "lru", "
                   "Expert placement policy under --expert_budget.")
 flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
+flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
+                  "rounds in this run; print both decode tok/s and the ratio.")
+flags.DEFINE_integer("repeats", 5, "Timed rounds of each mode for --compare (median and min/max reported).",
+                     lower_bound=1)
 
 
 def main(argv) -> int:
@@ -43,28 +54,36 @@ def main(argv) -> int:
     logging.set_verbosity(logging.WARNING)
     import sharpi_jax as sj
 
+    if FLAGS.compare and FLAGS.speculative != "mtp":
+        print("error: --compare times MTP off against MTP: add --speculative=mtp", file=sys.stderr)
+        return 2
+    compare = None
     try:
         budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
                                                               expert_policy=FLAGS.expert_policy)
         engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget)
-        if FLAGS.warmup:
-            engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature,
-                            speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
-        out = engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                              top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p, seed=FLAGS.seed,
-                              stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
-                              draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
+        sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
+                        seed=FLAGS.seed, stop_on_eos=FLAGS.stop_on_eos)
+        spec = dict(speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
+        if FLAGS.compare:
+            out, compare = _compare(engine, sampling, spec)
+        else:
+            if FLAGS.warmup:
+                engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature, **spec)
+            out = engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **spec)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if FLAGS.json:
-        print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats}))
+        print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats,
+                          **({"compare": compare} if compare else {})}))
     else:
         print(FLAGS.prompt + out.text)
         s = out.stats
         print(f"[{s['prompt_tokens']} prompt tokens, {s['prefill_tok_s']:.1f} tok/s prefill; "
               f"{s['generated_tokens']} generated, {s['decode_tok_s']:.1f} tok/s decode; "
-              f"stop: {s['stop_reason']}" + ("" if FLAGS.warmup else "; timings include jit compilation") + "]",
+              f"stop: {s['stop_reason']}" + ("" if FLAGS.warmup or FLAGS.compare else
+                                             "; timings include jit compilation") + "]",
               file=sys.stderr)
         if s.get("speculative") == "mtp":
             print(f"[MTP k={s['draft_tokens']} ({s['verify']} verify): {s['accepted']}/{s['drafted']} drafts accepted "
@@ -76,7 +95,48 @@ def main(argv) -> int:
                   f"{e['budget_bytes'] / 2**20:.1f} MiB): hit rate {e['hit_rate']:.1%}, "
                   f"{e['bytes_streamed_per_token'] / 2**20:.2f} MiB streamed per token, "
                   f"{e['experts_host_computed']} expert uses computed on the host]", file=sys.stderr)
+        if compare:
+            print(_compare_line(compare), file=sys.stderr)
+        elif s.get("speculative") == "mtp":
+            print("[whether MTP pays is not measured here: add --compare to time MTP off vs MTP, warm, in this run]",
+                  file=sys.stderr)
     return 0
+
+
+def _compare(engine, sampling: dict, spec: dict):
+    """(the first timed MTP output, the comparison dict): MTP off and MTP warm, interleaved rounds."""
+    from experiments.timing import interleaved, put_spread
+
+    modes = [dict(speculative=None), spec]
+    quiet = FLAGS.json
+
+    def run(kw):
+        return engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **kw)
+
+    results = interleaved(modes, run, FLAGS.repeats, what="modes (MTP off, MTP)",
+                          log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+    off, mtp = results
+    cmp = {"repeats": FLAGS.repeats, "draft_tokens": spec["draft_tokens"], "verify": spec["verify"],
+           "generated_tokens": len(mtp[0].tokens),
+           "same_tokens": all(o.tokens == off[0].tokens for o in off + mtp)}
+    put_spread(cmp, "off_decode_tok_s", [o.stats["decode_tok_s"] for o in off])
+    put_spread(cmp, "mtp_decode_tok_s", [o.stats["decode_tok_s"] for o in mtp])
+    cmp["speedup"] = cmp["mtp_decode_tok_s"] / cmp["off_decode_tok_s"]
+    return mtp[0], cmp
+
+
+def _compare_line(c: dict) -> str:
+    from experiments.timing import fmt_spread
+
+    faster = c["speedup"] > 1.0
+    verdict = (f"MTP is {'faster' if faster else 'SLOWER'} than MTP off on this model and machine"
+               + ("" if faster else " (speculation pays only where a trunk pass costs much more than a draft step)"))
+    if not (c["mtp_decode_tok_s_min"] > c["off_decode_tok_s_max"] or c["mtp_decode_tok_s_max"] < c["off_decode_tok_s_min"]):
+        verdict += ", though the two ranges overlap: within this run's noise"
+    return (f"[compare (warm, median [min-max] of {c['repeats']} interleaved rounds, {c['generated_tokens']} tokens): "
+            f"MTP off {fmt_spread(c['off_decode_tok_s_runs'])} decode tok/s; MTP k={c['draft_tokens']} "
+            f"({c['verify']} verify) {fmt_spread(c['mtp_decode_tok_s_runs'])} decode tok/s; "
+            f"MTP / off = {c['speedup']:.2f}x: {verdict}; same tokens: {'yes' if c['same_tokens'] else 'NO'}]")
 
 
 if __name__ == "__main__":

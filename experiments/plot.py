@@ -4,9 +4,11 @@
 
 Figures (each drawn when its records are present):
 - tok_s_vs_k.png: decode tokens/s vs draft tokens k, one line per verify mode; MTP-off as a dashed line.
+  Error bars (and a grey band around MTP off): min-max over the sweep's warm interleaved rounds.
 - acceptance_per_position.png: fraction of drafts accepted at each draft position, one group per k.
 - expert_reads_vs_batch.png: expert weight bytes read per token vs batch width N, per-token vs grouped.
-- hit_rate_vs_budget.png: expert residency hit rate vs expert budget, one line per placement policy.
+- hit_rate_vs_budget.png: expert residency hit rate vs expert budget, one line per placement policy
+  (error bars where the hit rate varied between rounds: lru / slru).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from absl import app, flags
+
+from experiments.timing import spread
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("results", None, "JSONL file(s) of records.", required=True)
@@ -56,36 +60,81 @@ def _series(records, x_key, y_key, group_keys):
     return {g: sorted((x, _mean(ys)) for x, ys in d.items()) for g, d in acc.items()}
 
 
-def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Write every figure whose data is present; return the PNG paths."""
+def _point_spread(recs: list[dict[str, Any]], y_key: str) -> tuple[float, float, float]:
+    """(y, low, high) of one plotted point made of several records (one per prompt).
+
+    With per-round values (`<y>_runs`, experiments.timing) of equal length in every record: the mean over
+    the records in each round, then the median / min / max over the rounds (the spread is timing noise
+    alone, not the prompts' differences). Else the mean of `<y>`, `<y>_min` and `<y>_max` (`<y>` where a
+    record has no spread: one measurement)."""
+    runs = [r.get(f"{y_key}_runs") for r in recs]
+    if all(isinstance(x, list) and x for x in runs) and len({len(x) for x in runs}) == 1:
+        per_round = [_mean(vals) for vals in zip(*runs)]
+        s = spread(per_round)
+        return s["median"], s["min"], s["max"]
+    y = _mean([r[y_key] for r in recs])
+    lo = _mean([r.get(f"{y_key}_min", r[y_key]) for r in recs])
+    hi = _mean([r.get(f"{y_key}_max", r[y_key]) for r in recs])
+    return y, lo, hi
+
+
+def spread_series(records, x_key, y_key, group_keys):
+    """{group: sorted [(x, y, low, high)]} over records having x_key and y_key (`_point_spread`)."""
+    acc: dict[tuple, dict[Any, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in records:
+        if x_key in r and y_key in r and r[y_key] is not None:
+            acc[tuple(r.get(k) for k in group_keys)][r[x_key]].append(r)
+    return {g: sorted((x, *_point_spread(rs, y_key)) for x, rs in d.items()) for g, d in acc.items()}
+
+
+def _errorbar(ax, pts, scale=1.0, **kw):
+    """A line through the points' y with error bars from low to high (the spread of the repeats)."""
+    xs = [p[0] * scale for p in pts]
+    ys = [p[1] for p in pts]
+    yerr = [[max(0.0, p[1] - p[2]) for p in pts], [max(0.0, p[3] - p[1]) for p in pts]]
+    return ax.errorbar(xs, ys, yerr=yerr, capsize=3, marker="o", **kw)
+
+
+def _spread_note(ax, records) -> None:
+    reps = sorted({r["repeats"] for r in records if isinstance(r.get("repeats"), int)})
+    if reps:
+        ax.text(0.99, 0.01, f"median of {'/'.join(map(str, reps))} warm interleaved rounds; bars: min-max",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=6, color="dimgray")
+
+
+def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """{png name: matplotlib Figure} for every figure whose data is present (not saved, not closed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    figs: dict[str, Any] = {}
 
     def save(fig, name):
-        p = out_dir / name
         fig.tight_layout()
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        written.append(p)
+        figs[name] = fig
 
     spec = [r for r in records if r.get("speculative") == "mtp"]
     if spec:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for (model, verify), pts in sorted(_series(spec, "draft_tokens", "decode_tok_s", ["model", "verify"]).items(),
-                                           key=str):
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{model} {verify} verify")
-        for (model,), pts in _series([r for r in records if "speculative" in r and r["speculative"] is None],
-                                     "model", "decode_tok_s", ["model"]).items():
-            ax.axhline(pts[0][1], linestyle="--", color="gray", label=f"{model} MTP off")
+        for (model, verify), pts in sorted(spread_series(spec, "draft_tokens", "decode_tok_s",
+                                                         ["model", "verify"]).items(), key=str):
+            _errorbar(ax, pts, label=f"{model} {verify} verify")
+        off = [r for r in records if "speculative" in r and r["speculative"] is None]
+        for (model,), pts in spread_series(off, "model", "decode_tok_s", ["model"]).items():
+            _, y, lo, hi = pts[0]
+            ax.axhline(y, linestyle="--", color="gray",
+                       label=f"{model} MTP off" + (" (band: min-max)" if hi > lo else ""))
+            if hi > lo:
+                ax.axhspan(lo, hi, color="gray", alpha=0.15, linewidth=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft tokens k")
         ax.set_ylabel("decode tokens/s")
         ax.set_title("MTP speculative decoding: throughput vs k")
         ax.legend(fontsize=7)
+        _spread_note(ax, records)
         save(fig, "tok_s_vs_k.png")
 
     with_pos = [r for r in spec if r.get("accept_per_position")]
@@ -122,15 +171,30 @@ def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     res = [r for r in records if "hit_rate" in r and "expert_budget_frac" in r]
     if res:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for (policy,), pts in sorted(_series(res, "expert_budget_frac", "hit_rate", ["expert_policy"]).items(),
+        for (policy,), pts in sorted(spread_series(res, "expert_budget_frac", "hit_rate", ["expert_policy"]).items(),
                                      key=str):
-            ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(policy))
+            _errorbar(ax, pts, scale=100, label=str(policy))
         ax.set_xlabel("expert budget (% of routed expert bytes)")
         ax.set_ylabel("hit rate")
         ax.set_ylim(0, 1.02)
         ax.set_title("Expert residency hit rate vs budget")
         ax.legend()
+        _spread_note(ax, res)
         save(fig, "hit_rate_vs_budget.png")
+    return figs
+
+
+def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Write every figure whose data is present; return the PNG paths."""
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, fig in figures(records).items():
+        p = out_dir / name
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
     return written
 
 

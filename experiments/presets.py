@@ -64,3 +64,27 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
             tmp.rename(p)
         return p
     raise InputError(f"preset {name!r} in {MODELS_FILE} has no embedded/fixture/synthetic/gguf entry")
+
+
+def release_compiled_code() -> None:
+    """Free what dropped engines still hold: JAX's compiled executables and the runtime's per-graph
+    step-function caches (`functools.lru_cache`s keyed on the model graph, which keep each engine's
+    graph, and with it ~1 GiB of a 35B-shaped slice, alive after the engine is gone). For loops that
+    load many engines one after another (bench_residency, sweeps); call after `del engine`."""
+    import gc
+    import importlib
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    for module, name in (("sharpi_jax.runtime.steps", "_step_fns"), ("sharpi_jax.runtime.speculative", "_mtp_fns"),
+                         ("sharpi_jax.experts.streaming", "_host_fn")):
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue  # renamed by a refactor: nothing to clear here
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    gc.collect()
+

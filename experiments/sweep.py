@@ -1,4 +1,4 @@
-"""Run a grid of generation experiments from a JSON config and write one JSONL record per run.
+"""Run a grid of generation experiments from a JSON config; one JSONL record per (model, point, prompt).
 
     python -m experiments.sweep --config=configs/sweeps/mtp_draft_tokens.json [--out=results/x.jsonl]
 
@@ -12,9 +12,18 @@ the rest go to `engine.generate`. expert_budget is bytes or a string ("8GiB", "2
 expert_budget_frac is a share of all routed-expert bytes (0.25). Points that differ only in options a
 mode ignores (draft_tokens without speculation) are run once.
 
-Each record: the sweep name, model, point options, prompt index, repeat, and the generation stats
-flattened (decode_tok_s, prefill_tok_s, acceptance, expert reads, ...). `python -m experiments.plot`
-draws the standard figures from them.
+Timing (experiments.timing): every cell (model, point, prompt) first runs once unrecorded (compilation
+excluded), then `repeats` rounds (--repeats, else the config's, else 3) run every cell once each, in
+the same order (A B C, A B C, ...), so machine load drifts hit all cells alike. Models under 2 GiB
+hold all their load groups at once and interleave over every point ("interleave": "auto" | "all" |
+"load" in the config; "load" interleaves within one load group at a time, for big models).
+
+Each record: the sweep name, model, point options, prompt index, `repeats`, and the generation stats
+flattened (decode_tok_s, prefill_tok_s, acceptance, expert reads, ...). Every timing field is the
+median over the rounds with `<field>_min` / `<field>_max` beside it, and `<field>_runs` (the per-round
+values) for the tokens/s fields; other numbers that vary between rounds (an lru hit rate) get the same
+treatment. `python -m experiments.plot` draws the standard figures from them, with the spread as error
+bars.
 """
 
 from __future__ import annotations
@@ -28,15 +37,20 @@ from typing import Any, Iterator
 
 from absl import app, flags
 
+from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "Sweep config (JSON).", required=True)
 flags.DEFINE_string("out", None, "Output JSONL (default: results/<name>.jsonl).")
-flags.DEFINE_bool("quiet", False, "No per-run lines.")
+flags.DEFINE_bool("quiet", False, "No progress lines.")
+flags.DEFINE_integer("repeats", None, "Timed rounds per cell, interleaved (default: the config's `repeats`, else 3).",
+                     lower_bound=1)
 
 LOAD_OPTIONS = frozenset({"max_context", "expert_budget", "expert_budget_frac", "expert_policy", "expert_mode",
                           "prefill_buckets"})
 # Options that only matter with speculation: collapsed for speculative = None.
 SPECULATIVE_ONLY = ("draft_tokens", "verify")
+DEFAULT_REPEATS = 3
 
 PYTHON_PROMPTS = [
     "def fibonacci(n):\n",
@@ -119,17 +133,59 @@ def _calibrate(cfg: dict[str, Any], model_name: str, path: Path, out_path: Path,
     return counts_path
 
 
-def run_sweep(cfg: dict[str, Any], out_path: Path, log=print) -> list[dict[str, Any]]:
-    """Run every (model, load options, point, prompt, repeat); append records to out_path; return them."""
+def _is_timing(key: str) -> bool:
+    return key.endswith("_s")  # seconds and tokens/s: decode_tok_s, prefill_s, draft_s, experts.callback_s, ...
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from the flattened stats of a cell's timed repeats: every timing field (`*_s`, which
+    includes `*_tok_s`) becomes the median with `_min` / `_max` beside it (and `_runs`, the per-round
+    values, for `*_tok_s`); any other number that varies between repeats (an lru hit rate) likewise;
+    everything else (tokens, acceptance: deterministic) is taken as is from the first repeat."""
+    rec = dict(runs[0])
+    for key, first in runs[0].items():
+        if isinstance(first, bool) or not isinstance(first, (int, float)):
+            continue
+        vals = [r.get(key) for r in runs]
+        if any(not isinstance(v, (int, float)) for v in vals):
+            continue
+        if _is_timing(key) or len(set(vals)) > 1:
+            put_spread(rec, key, vals, runs=key.endswith("_tok_s"))
+    return rec
+
+
+def _interleave_mode(cfg: dict[str, Any], path: Path) -> str:
+    """"all": every load group of a model is loaded at once and the rounds cycle over all its points;
+    "load": one load group at a time (big models whose engines do not fit in memory together).
+    "auto" (default): "all" for files under 2 GiB."""
+    mode = cfg.get("interleave", "auto")
+    if mode not in ("auto", "all", "load"):
+        from sharpi_jax.errors import InputError
+
+        raise InputError(f"sweep config {cfg['name']}: 'interleave' must be 'auto', 'all' or 'load', got {mode!r}")
+    if mode == "auto":
+        mode = "all" if path.stat().st_size < 2 << 30 else "load"
+    return mode
+
+
+def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | None = None) -> list[dict[str, Any]]:
+    """Run every (model, load options, point, prompt): one unrecorded warm-up run each, then `repeats`
+    (default: the config's, else 3) interleaved rounds over all of them; write one record per (model,
+    point, prompt) with the median and min/max of every timing (`aggregate`) to out_path; return them."""
     import sharpi_jax as sj
-    from experiments.presets import resolve_model
+    from experiments.presets import release_compiled_code, resolve_model
 
     prompts = resolve_prompts(cfg.get("prompts"))
-    repeats = int(cfg.get("repeats", 1))
+    repeats = int(repeats if repeats is not None else cfg.get("repeats", DEFAULT_REPEATS))
+    if repeats < 1:
+        from sharpi_jax.errors import InputError
+
+        raise InputError(f"repeats must be >= 1, got {repeats}")
     max_new = int(cfg.get("max_new_tokens", 32))
     points = list(grid_points(cfg["grid"]))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     records = []
+    t0 = time.perf_counter()
     with out_path.open("a") as out:
         for model_name in cfg["models"]:
             path = resolve_model(model_name)
@@ -138,41 +194,57 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print) -> list[dict[str, 
             for p in points:
                 load_opts = {k: v for k, v in p.items() if k in LOAD_OPTIONS}
                 by_load.setdefault(json.dumps(load_opts, sort_keys=True), []).append(p)
-            for load_key, group in by_load.items():
-                load_opts = {**cfg.get("load", {}), **json.loads(load_key)}
-                frac = load_opts.pop("expert_budget_frac", None)
-                if frac is not None:  # a share of all routed-expert bytes (residency.parse_expert_budget)
-                    load_opts["expert_budget"] = f"{100 * float(frac)}%"
-                if counts_path is not None and load_opts.get("expert_budget") is not None:
-                    load_opts.setdefault("expert_counts", str(counts_path))
-                engine = sj.load(path, **load_opts)
-                for point in group:
+            mode = _interleave_mode(cfg, path)
+            batches = [list(by_load)] if mode == "all" else [[k] for k in by_load]
+            for batch in batches:
+                engines = {}
+                for load_key in batch:
+                    load_opts = {**cfg.get("load", {}), **json.loads(load_key)}
+                    frac = load_opts.pop("expert_budget_frac", None)
+                    if frac is not None:  # a share of all routed-expert bytes (residency.parse_expert_budget)
+                        load_opts["expert_budget"] = f"{100 * float(frac)}%"
+                    if counts_path is not None and load_opts.get("expert_budget") is not None:
+                        load_opts.setdefault("expert_counts", str(counts_path))
+                    engines[load_key] = sj.load(path, **load_opts)
+                cells = [(load_key, point, pi, prompt) for load_key in batch for point in by_load[load_key]
+                         for pi, prompt in enumerate(prompts)]
+                log(f"{model_name}: {len(cells)} cells ({len(batch)} load groups x points x {len(prompts)} "
+                    f"prompts), warm-up + {repeats} interleaved rounds")
+
+                def run(cell):
+                    load_key, point, _, prompt = cell
                     gen_opts = {k: v for k, v in point.items() if k not in LOAD_OPTIONS}
-                    for pi, prompt in enumerate(prompts):
-                        for r in range(repeats + 1):  # run 0 warms up the compiled shapes
-                            res = engine.generate(prompt, max_new_tokens=max_new, **gen_opts)
-                            if r == 0:
-                                continue
-                            rec = {"sweep": cfg["name"], "model": model_name, **point, "prompt": pi,
-                                   "repeat": r - 1, "time": time.time(), **_flatten(res.stats)}
-                            if "experts.hit_rate" in rec:  # the residency figure's y (experiments.plot)
-                                rec["hit_rate"] = rec["experts.hit_rate"]
-                            out.write(json.dumps(rec) + "\n")
-                            out.flush()
-                            records.append(rec)
-                            log(f"{model_name} {point} prompt {pi}: "
-                                f"{res.stats.get('decode_tok_s', 0):.1f} tok/s")
+                    return _flatten(engines[load_key].generate(prompt, max_new_tokens=max_new, **gen_opts).stats)
+
+                results = interleaved(cells, run, repeats, log=log, what="cells")
+                for (_, point, pi, _), runs in zip(cells, results):
+                    rec = {"sweep": cfg["name"], "model": model_name, **point, "prompt": pi, "repeats": repeats,
+                           "time": time.time(), **aggregate(runs)}
+                    if "experts.hit_rate" in rec:  # the residency figure's y (experiments.plot)
+                        for suffix in ("", "_min", "_max"):
+                            if f"experts.hit_rate{suffix}" in rec:
+                                rec[f"hit_rate{suffix}"] = rec[f"experts.hit_rate{suffix}"]
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    records.append(rec)
+                    log(f"{model_name} {point} prompt {pi}: {fmt_spread(rec['decode_tok_s_runs'])} decode tok/s "
+                        "(median [min-max])")
+                del engines
+                release_compiled_code()
+    log(f"{len(records)} records in {time.perf_counter() - t0:.0f}s")
     return records
 
 
 def main(argv) -> int:
     del argv
+    line_buffered()
     from sharpi_jax.errors import SharpiError
 
     try:
         cfg = load_config(FLAGS.config)
         out = Path(FLAGS.out or Path("results") / f"{cfg['name']}.jsonl")
-        records = run_sweep(cfg, out, log=(lambda *_: None) if FLAGS.quiet else print)
+        records = run_sweep(cfg, out, log=(lambda *_: None) if FLAGS.quiet else (lambda m: print(m, flush=True)),
+                            repeats=FLAGS.repeats)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, Iterator
@@ -141,15 +142,17 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.source = str(self.path)
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as e:
-            raise GGUFError(f"{self.source}: cannot open ({e.strerror})") from None
+        fd = self._open_regular_file()
         try:
             size = os.fstat(fd).st_size
+            if size == 0:
+                raise GGUFError(f"{self.source}: empty file (0 bytes), not a GGUF file")
             if size < 24:
                 raise GGUFError(f"{self.source}: file too small to be GGUF ({size} bytes)")
-            self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            try:
+                self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except OSError as e:
+                raise GGUFError(f"{self.source}: cannot map the file ({e.strerror})") from None
         finally:
             os.close(fd)
         self.file_size = size
@@ -161,6 +164,25 @@ class GGUFFile:
             self.close()
             raise
         buf.release()
+
+    def _open_regular_file(self) -> int:
+        """A read-only descriptor of the path, or a one-line GGUFError: missing, a directory (Linux opens
+        those read-only and mmap then fails with EINVAL), not a regular file (a FIFO would block), or
+        unreadable."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise GGUFError(f"{self.source}: cannot open ({e.strerror})") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise GGUFError(f"{self.source}: is a directory, not a GGUF file")
+        if not stat.S_ISREG(st.st_mode):
+            raise GGUFError(f"{self.source}: not a regular file, so not a GGUF file")
+        try:
+            return os.open(self.path, os.O_RDONLY)
+        except PermissionError:
+            raise GGUFError(f"{self.source}: cannot read the file (permission denied)") from None
+        except OSError as e:
+            raise GGUFError(f"{self.source}: cannot open ({e.strerror})") from None
 
     # ----- parsing -----
     def _parse(self, buf: memoryview) -> None:

@@ -1,0 +1,252 @@
+"""Every `python -m experiments.<name>` entry point, run as a user would with tiny flags, on the embedded
+default model (no fixtures needed): it parses its flags, finishes, and prints / writes what it says.
+Timings are never asserted; only that the figures and their spread are there and consistent.
+
+The README's main command (the generation part, with --compare) runs here exactly as written.
+
+The runs are subprocesses dominated by single-threaded XLA compilation, so the module starts all the
+selected tests' runs up front, two at a time (`runs`), longest first; each test then checks its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sharpi_jax.gguf import GGUFFile, read_model_config
+from tests.experiments.entry_point import REPO_ROOT, jsonl, ok, own_lines, run_entry_point
+
+JOBS = max(1, min(2, os.cpu_count() or 1))
+
+
+def readme_main_command() -> list[str]:
+    """The arguments of `python -m experiments.generate ...` in the README's first command."""
+    text = (REPO_ROOT / "README.md").read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("python3 -m pip install"))
+    gen = next(part for part in line.split("&&") if "experiments.generate" in part)
+    argv = shlex.split(gen)
+    assert argv[:3] == ["python", "-m", "experiments.generate"], argv
+    return argv[3:]
+
+
+def _train_preset(tmp):
+    """The shipped training preset with a 2-layer (GDN, attention) + MTP model: quicker to compile."""
+    preset = json.loads((REPO_ROOT / "configs" / "train" / "tiny.json").read_text())
+    preset["model"].update(n_layer=2, full_attention_interval=2)
+    (tmp / "tiny2.json").write_text(json.dumps(preset))
+    return tmp / "tiny2.json"
+
+
+# test name -> (entry point, tmp dir -> argv), longest first (they start in this order).
+COMMANDS = {
+    "test_train_tiny": ("train_tiny", lambda t: [
+        f"--config={_train_preset(t)}", "--steps=2", "--batch_size=2", "--seq_len=32", "--byte_budget=150000",
+        "--sample_tokens=4", f"--out_dir={t / 'train'}"]),
+    "test_readme_main_command_compares_mtp_off_and_on": ("generate", lambda t: readme_main_command()),
+    "test_bench_verify": ("bench_verify", lambda t: [
+        "--model=default", "--ks=1", "--repeats=2", "--new_tokens=8", "--max_context=64",
+        f"--json_out={t / 'verify.jsonl'}"]),
+    "test_bench_residency": ("bench_residency", lambda t: [
+        "--model=default", "--budgets=0.5", "--policies=static", "--repeats=2", "--nobaseline", "--prompt_tokens=8",
+        "--decode_tokens=3", "--max_context=32", "--prefill_buckets=8", "--threshold", "--threshold_rows=2",
+        "--threshold_repeats=2", f"--out={t / 'res.jsonl'}", f"--plot_dir={t / 'plots'}"]),
+    "test_sweep_command_on_the_shipped_smoke_config": ("sweep", lambda t: [
+        "--config=configs/sweeps/smoke.json", f"--out={t / 'smoke.jsonl'}", "--repeats=2"]),
+    "test_bench_decode": ("bench_decode", lambda t: [
+        "--models=default", "--prompt_tokens=12", "--decode_tokens=4", "--repeats=2", "--max_context=64",
+        f"--jsonl={t / 'decode.jsonl'}"]),
+    "test_bench_moe": ("bench_moe", lambda t: [
+        "--sizes=1,8", "--qtype=q8_0", "--n_expert=16", "--top_k=4", "--d_ff=32", "--d_model=64", "--repeats=2",
+        f"--json_out={t / 'moe.jsonl'}"]),
+    "test_info": ("info", lambda t: ["--json"]),
+    "test_info_text": ("info", lambda t: []),
+    "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
+    "test_generate_compare_needs_mtp": ("generate", lambda t: ["--compare"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """{test name: (tmp dir, future of its CompletedProcess)} for the selected tests of this module."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    pool = ThreadPoolExecutor(max_workers=JOBS)
+    started = {}
+    for test, (name, argv) in COMMANDS.items():
+        if test in selected:
+            tmp = tmp_path_factory.mktemp(test[5:35])
+            started[test] = (tmp, pool.submit(run_entry_point, name, *argv(tmp), cache=tmp / "cache", timeout=900))
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def result(runs, request):
+    """(tmp dir, CompletedProcess) of the calling test's command."""
+    tmp, future = runs[request.node.originalname]
+    return tmp, future.result()
+
+
+def _check_spread(rec: dict, key: str, rounds: int | None = None) -> None:
+    assert rec[f"{key}_min"] <= rec[key] <= rec[f"{key}_max"], (key, rec)
+    if rounds is not None:
+        runs = rec[f"{key}_runs"]
+        assert len(runs) == rounds and min(runs) == rec[f"{key}_min"] and max(runs) == rec[f"{key}_max"]
+
+
+def test_readme_main_command_compares_mtp_off_and_on(runs, request):
+    args = readme_main_command()
+    assert "--speculative=mtp" in args and "--compare" in args
+    _, res = result(runs, request)
+    ok(res)
+    assert res.stdout.startswith("def fibonacci(n):\n") and len(res.stdout) > len("def fibonacci(n):\n") + 20
+    err = "\n".join(own_lines(res.stderr))
+    n = int(re.search(r"--max_new_tokens=(\d+)", " ".join(args))[1])
+    assert f"{n} generated" in err and "timings include jit compilation" not in err
+    assert re.search(r"\[MTP k=3 \(batched verify\): \d+/\d+ drafts accepted", err)
+    m = re.search(r"\[compare \(warm, median \[min-max\] of (\d+) interleaved rounds.*MTP off ([\d.]+) "
+                  r"\[([\d.]+)-([\d.]+)\] decode tok/s; MTP k=3 \(batched verify\) ([\d.]+) \[([\d.]+)-([\d.]+)\] "
+                  r"decode tok/s; MTP / off = ([\d.]+)x: MTP is (faster|SLOWER) than MTP off", err)
+    assert m, err
+    off, off_lo, off_hi, mtp, mtp_lo, mtp_hi, ratio = (float(m[i]) for i in range(2, 9))
+    assert int(m[1]) >= 1 and off_lo <= off <= off_hi and mtp_lo <= mtp <= mtp_hi and off > 0 and mtp > 0
+    assert ratio == pytest.approx(mtp / off, rel=0.02, abs=0.01)
+    if abs(ratio - 1) > 0.005:  # the verdict follows the (unrounded) ratio
+        assert (m[9] == "faster") == (ratio > 1)
+    assert "same tokens: yes" in err
+
+
+def test_generate_compare_needs_mtp(runs, request):
+    _, res = result(runs, request)
+    assert res.returncode == 2 and res.stdout == ""
+    assert own_lines(res.stderr) == ["error: --compare times MTP off against MTP: add --speculative=mtp"]
+
+
+def test_info(runs, request):
+    _, res = result(runs, request)
+    d = json.loads(ok(res).stdout)
+    assert d["config"]["arch"] == "qwen35moe" and d["n_layer_trunk"] == 4 and d["tensor_count"] > 0
+    assert d["expert_bytes"] > 0 and d["non_expert_bytes"] > 0 and d["file_bytes"] > d["expert_bytes"]
+
+
+def test_info_text(runs, request):
+    _, res = result(runs, request)
+    for section in ("== config ==", "== tensors by type ==", "== weight bytes ==", "routed experts"):
+        assert section in ok(res).stdout
+
+
+def test_write_synthetic(runs, request):
+    tmp, res = result(runs, request)
+    out = tmp / "s.gguf"
+    assert f"wrote {out}" in ok(res).stdout
+    with GGUFFile(out) as f:
+        c = read_model_config(f)
+        assert c.n_layer == 2 and c.arch == "qwen35moe" and len(f.tensors) > 10
+
+
+def test_bench_decode(runs, request):
+    tmp, res = result(runs, request)
+    assert "median [min-max] of 2 warm interleaved rounds" in ok(res).stdout
+    (rec,) = jsonl(tmp / "decode.jsonl")
+    assert rec["model"] == "default" and rec["prompt_tokens"] == 12 and rec["decode_tokens"] == 4
+    assert re.search(r"^default\s+[\d.]+ \[[\d.]+-[\d.]+\]\s+[\d.]+ \[[\d.]+-[\d.]+\]", res.stdout, re.M)
+    for key in ("prefill_tok_s", "decode_tok_s"):
+        _check_spread(rec, key, rounds=2)
+
+
+def test_bench_verify(runs, request):
+    tmp, res = result(runs, request)
+    assert "round 2/2" in ok(res).stdout and "MTP off:" in res.stdout
+    recs = jsonl(tmp / "verify.jsonl")
+    assert [(r["draft_tokens"], r["verify"]) for r in recs] == [(0, None), (1, "sequential"), (1, "batched")]
+    for r in recs:
+        _check_spread(r, "decode_tok_s", rounds=2)
+        assert r.get("same_tokens_as_off", True) is True
+    assert all(0 <= r["acceptance_rate"] <= 1 and len(r["accept_per_position"]) == 1 for r in recs[1:])
+
+
+def test_bench_moe(runs, request):
+    tmp, res = result(runs, request)
+    assert "True" in ok(res).stdout  # the bitwise column
+    recs = jsonl(tmp / "moe.jsonl")
+    assert [r["N"] for r in recs] == [1, 8]
+    for r in recs:
+        assert r["bitwise_equal"] is True and r["bytes_grouped"] == r["bytes_floor"] <= r["bytes_per_token"]
+        assert r["grouped_bytes_per_token"] == r["bytes_grouped"] / r["N"]
+        for key in ("ms_per_token", "ms_grouped", "cpu_ms_per_token", "cpu_ms_grouped"):
+            _check_spread(r, key, rounds=2)
+
+
+def test_bench_residency(runs, request):
+    """One budget cell (static: no calibration engine needed) and one threshold row, on the default model."""
+    tmp, res = result(runs, request)
+    assert "streaming is faster from N =" in ok(res).stdout and "budget 0.5 done" in res.stdout
+    recs = jsonl(tmp / "res.jsonl")
+    (thr,) = [r for r in recs if r.get("bench") == "residency_threshold"]
+    assert thr["bitwise_equal"] is True and thr["N"] == 2 and thr["faster"] in ("stream", "host")
+    for mode in ("stream", "host"):
+        assert thr[f"{mode}_cpu_ms_min"] <= thr[f"{mode}_cpu_ms"] <= thr[f"{mode}_cpu_ms_max"]
+    (r,) = [r for r in recs if "expert_policy" in r]
+    assert r["expert_policy"] == "static" and r["expert_budget_frac"] == 0.5 and r["repeats"] == 2
+    assert 0 <= r["hit_rate"] <= 1 and r["resident_bytes"] + r["staging_bytes"] <= r["expert_budget"]
+    _check_spread(r, "decode_tok_s", rounds=2)
+    _check_spread(r, "prefill_tok_s", rounds=2)
+    assert (tmp / "plots" / "hit_rate_vs_budget.png").stat().st_size > 5000
+    assert not list(tmp.glob("*.expert-counts.json"))  # static needs no calibration
+
+
+def test_sweep_command_on_the_shipped_smoke_config(runs, request):
+    tmp, res = result(runs, request)
+    out = tmp / "smoke.jsonl"
+    assert f"wrote 2 records to {out}" in ok(res).stdout and "round 2/2" in res.stdout
+    recs = jsonl(out)
+    assert sorted(r["temperature"] for r in recs) == [0.0, 0.8]
+    for r in recs:
+        assert r["sweep"] == "smoke" and r["repeats"] == 2 and r["generated_tokens"] <= 8
+        _check_spread(r, "decode_tok_s", rounds=2)
+        _check_spread(r, "prefill_tok_s", rounds=2)
+
+
+def test_train_tiny(runs, request):
+    """Two steps of the preset's recipe on a 2-layer (GDN, attention) + MTP variant of its model."""
+    tmp, res = result(runs, request)
+    assert "trained 2 steps" in ok(res).stdout and "--- greedy sample" in res.stdout and "quick run" not in res.stdout
+    out = tmp / "train"
+    assert {p.name for p in out.iterdir()} >= {"tiny-trained-F32.gguf", "tiny-trained-Q8_0.gguf", "train_log.jsonl",
+                                               "summary.json"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["train"]["steps"] == 2
+    with GGUFFile(out / "tiny-trained-Q8_0.gguf") as f:
+        c = read_model_config(f)
+        assert c.has_mtp and c.n_layer == 2
+
+
+def test_every_entry_point_has_a_smoke_test():
+    """Each experiments/*.py with an absl main is run by a test above."""
+    mains = {p.stem for p in (REPO_ROOT / "experiments").glob("*.py") if "app.run(main)" in p.read_text()}
+    tested = {name for name, _ in COMMANDS.values()} | {"plot"}  # plot: tests/experiments/test_sweep_plot.py
+    assert mains == tested, mains ^ tested
+
+
+def test_shipped_sweep_configs_parse():
+    """Every config in configs/sweeps loads and expands to a non-empty grid (running them is `slow`)."""
+    from experiments import sweep
+
+    paths = sorted((REPO_ROOT / "configs" / "sweeps").glob("*.json"))
+    assert paths
+    for p in paths:
+        cfg = sweep.load_config(p)
+        assert list(sweep.grid_points(cfg["grid"])), p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mtp_draft_tokens", "mtp_expert_budget"])
+def test_shipped_sweep_runs(tmp_path, name):
+    out = tmp_path / f"{name}.jsonl"
+    ok(run_entry_point("sweep", f"--config=configs/sweeps/{name}.json", f"--out={out}", "--quiet", cache=tmp_path,
+                       timeout=1800))
+    recs = jsonl(out)
+    assert recs and all("decode_tok_s_min" in r and "decode_tok_s_max" in r for r in recs)
