@@ -2,13 +2,19 @@
 
     python -m experiments.bench_decode [--prompt_tokens=128] [--decode_tokens=64] [--llama_bin=PATH]
     python -m experiments.bench_decode --models=default,tiny-qwen35-Q8_0 --repeats=5
+    python -m experiments.bench_decode --models=/path/35b-slice-Q4_K_M.gguf --repacks=auto,none \
+        --decode_tokens=16 --llama_bin=../shared/llama.cpp/bin
 
 Our figures: every model is loaded and warmed up (jit compilation excluded), then --repeats rounds
 each run every model once (interleaved, experiments.timing); each figure is the median round with its
 min and max (records: prefill_tok_s, decode_tok_s, with _min, _max, _runs). llama.cpp's figures are printed
 beside ours when llama-cpp-python is importable (same GGUF, same prompt, 2 threads) or when
 --llama_bin names a llama.cpp bin directory with `llama-bench`, with the ratios ours / llama.cpp.
-Timings only; nothing here is a test.
+Each model runs once per --repacks entry (the matrix layout, `sj.load(repack=...)`) with --kernels.
+Beside tok/s every row prints the weights it holds (GiB) and the bytes one decoded token reads with its
+layouts against the floor (the file's own bytes of the non-expert tensors + top-k experts per layer +
+one embedding row), and the process's resident anonymous memory after the run (RssAnon: for the memory
+figure of one configuration, bench one model and one repack). Timings only; nothing here is a test.
 """
 
 from __future__ import annotations
@@ -47,6 +53,19 @@ flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory (or a binary in 
                     "(optional; else llama-cpp-python when installed).")
 flags.DEFINE_integer("threads", 2, "llama.cpp threads.")
 flags.DEFINE_string("jsonl", None, "Also append one JSON line per model here.")
+flags.DEFINE_string("kernels", "auto", "Matmul backend: auto | xla | pallas | reference (sj.load kernels=).")
+flags.DEFINE_list("repacks", ["auto"], "Matrix layouts to compare, each a sj.load repack=: auto | none | int8.")
+
+
+def rss_anon_gib() -> float | None:
+    """This process's resident anonymous memory (Linux /proc), GiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
 
 
 def _prompt(engine, n: int, fixture_dir: Path | None) -> list[int]:
@@ -60,25 +79,31 @@ def _prompt(engine, n: int, fixture_dir: Path | None) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None) -> tuple[object, list[int], dict]:
-    """(engine, prompt ids, {load_s, warmup_s}): loaded and warmed up (prefill buckets and decode compiled)."""
+def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str | None = "auto"
+              ) -> tuple[object, list[int], dict]:
+    """(engine, prompt ids, {load_s, warmup_s, held_gib, read_mib_per_token, floor_mib_per_token}):
+    loaded and warmed up (prefill buckets and decode compiled)."""
     import sharpi_jax as sj
+    from sharpi_jax.model.footprint import decode_floor_bytes, decode_read_bytes, held_bytes
 
     t = time.perf_counter()
-    engine = sj.load(path, max_context=FLAGS.max_context)
+    engine = sj.load(path, max_context=FLAGS.max_context, kernels=FLAGS.kernels, repack=repack)
     load_s = time.perf_counter() - t
+    footprint = {"held_gib": sum(held_bytes(engine.model).values()) / 2**30,
+                 "read_mib_per_token": decode_read_bytes(engine.model, engine.gguf, engine.config) / 2**20,
+                 "floor_mib_per_token": decode_floor_bytes(engine.gguf, engine.config) / 2**20}
     ids = _prompt(engine, n_prompt, fixture_dir)
     t = time.perf_counter()
     engine.generate(ids, max_new_tokens=3, stop_on_eos=False)  # compiles the prefill buckets and decode
-    return engine, ids, {"load_s": load_s, "warmup_s": time.perf_counter() - t}
+    return engine, ids, {"load_s": load_s, "warmup_s": time.perf_counter() - t, **footprint}
 
 
-def bench_ours(models: list[tuple[str, Path, Path | None, int, int]], repeats: int) -> list[dict]:
+def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None]], repeats: int) -> list[dict]:
     """Every model loaded and warmed up, then `repeats` interleaved rounds (each model once per round):
     one record per model with prefill / decode tok/s as median, _min, _max, _runs (experiments.timing)."""
     loaded = []
-    for name, path, fixture_dir, n_prompt, n_decode in models:
-        engine, ids, info = load_ours(path, n_prompt, fixture_dir)
+    for name, path, fixture_dir, n_prompt, n_decode, repack in models:
+        engine, ids, info = load_ours(path, n_prompt, fixture_dir, repack)
         print(f"  {name}: loaded in {info['load_s']:.1f}s, warm-up {info['warmup_s']:.1f}s", file=sys.stderr,
               flush=True)
         loaded.append((engine, ids, n_decode, info))
@@ -115,7 +140,7 @@ def _models() -> list[tuple[str, Path, Path | None, int, int]]:
             fixture_dir = path.parent if (path.parent / "references.json").exists() else None
             models.append((Path(m).stem if m.endswith(".gguf") else m, path, fixture_dir, FLAGS.prompt_tokens,
                            FLAGS.decode_tokens))
-        return models
+        return _with_repacks(models)
     fixtures = Path(FLAGS.fixtures)
     for d in sorted(p for p in fixtures.glob("tiny-*") if p.is_dir()):
         for g in sorted(d.glob("*.gguf")):
@@ -137,7 +162,17 @@ def _models() -> list[tuple[str, Path, Path | None, int, int]]:
                        FLAGS.synthetic_decode_tokens))
     if FLAGS.only:
         models = [m for m in models if re.search(FLAGS.only, m[1].name)]
-    return models
+    return _with_repacks(models)
+
+
+def _with_repacks(models):
+    """Every model once per --repacks entry (named `model[repack]` when there are several)."""
+    repacks = [None if r == "none" else r for r in FLAGS.repacks]
+    out = []
+    for name, *rest in models:
+        for r in repacks:
+            out.append((name if len(repacks) == 1 else f"{name}[{r or 'none'}]", *rest, r))
+    return out
 
 
 def main(argv) -> int:
@@ -145,7 +180,8 @@ def main(argv) -> int:
     line_buffered()
     logging.set_verbosity(logging.WARNING)
     rows = []
-    header = (f"{'model':34s} {'prefill tok/s [min-max]':>26s} {'decode tok/s [min-max]':>24s}   "
+    header = (f"{'model':34s} {'prefill tok/s [min-max]':>26s} {'decode tok/s [min-max]':>24s} "
+              f"{'held GiB':>8s} {'MiB/token (floor)':>18s}   "
               f"{'llama.cpp prefill':>17s} {'decode':>8s}   {'ours/llama.cpp prefill':>22s} {'decode':>7s}")
     try:
         models = _models()
@@ -163,9 +199,13 @@ def main(argv) -> int:
         return 2
     print(header)
     print("-" * len(header))
-    for (name, path, _, _, n_decode), ours in zip(models, ours_rows):
+    llama = {}
+    for (name, path, _, _, n_decode, _), ours in zip(models, ours_rows):
         ids = ours.pop("ids")
-        ref = bench_llama_cpp(path, ids, n_decode)
+        key = (str(path), len(ids), n_decode)
+        if key not in llama:  # once per file, whatever our layouts
+            llama[key] = bench_llama_cpp(path, ids, n_decode)
+        ref = llama[key]
         lc = ""
         if ref and "error" not in ref:
             r_pre = ours["prefill_tok_s"] / ref["prefill_tok_s"]
@@ -173,13 +213,20 @@ def main(argv) -> int:
             lc = f"{ref['prefill_tok_s']:17.1f} {ref['decode_tok_s']:8.1f}   {r_pre:22.2f} {r_dec:7.2f}"
         elif ref:
             lc = f"  ({ref['error'][:60]})"
+        mem = f"{ours['read_mib_per_token']:.0f} ({ours['floor_mib_per_token']:.0f})"
         print(f"{name:34s} {fmt_spread(ours['prefill_tok_s_runs'], 26, 0)} "
-              f"{fmt_spread(ours['decode_tok_s_runs'], 24, 0)}   {lc}", flush=True)
+              f"{fmt_spread(ours['decode_tok_s_runs'], 24, 0)} {ours['held_gib']:8.2f} {mem:>18s}   {lc}",
+              flush=True)
         row = {"model": name, "path": str(path), **ours, "llama_cpp": ref}
         rows.append(row)
         if FLAGS.jsonl:
             with open(FLAGS.jsonl, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
+    rss = rss_anon_gib()
+    if rss is not None:
+        sizes = sorted({m[1].stat().st_size for m in models})
+        print(f"\nresident anonymous memory of this process after the runs: {rss:.2f} GiB "
+              f"(GGUF file size{'s' if len(sizes) > 1 else ''}: {', '.join(f'{x / 2**30:.2f}' for x in sizes)} GiB)")
     print(f"\n(prompt {FLAGS.prompt_tokens} tokens, {FLAGS.decode_tokens} decoded; synthetic: "
           f"{FLAGS.synthetic_prompt_tokens} / {FLAGS.synthetic_decode_tokens}; ours: median [min-max] of "
           f"{FLAGS.repeats} warm interleaved rounds, ratios of medians; {os.cpu_count()} CPU cores)")
