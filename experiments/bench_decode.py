@@ -114,9 +114,11 @@ def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None]]
 
     results = interleaved(loaded, run, repeats, warmup=False, what="models",
                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    rss = rss_anon_gib()  # every engine still loaded
     rows = []
     for (engine, ids, _, info), outs in zip(loaded, results):
-        row = {**info, "prompt_tokens": len(ids), "decode_tokens": len(outs[0].tokens), "repeats": repeats,
+        row = {**info, "rss_anon_gib_all_loaded": rss, "prompt_tokens": len(ids), "decode_tokens": len(outs[0].tokens),
+               "repeats": repeats,
                "ids": ids}
         put_spread(row, "prefill_tok_s", [o.stats["prefill_tok_s"] for o in outs])
         put_spread(row, "decode_tok_s", [o.stats["decode_tok_s"] for o in outs])
@@ -210,22 +212,24 @@ def main(argv) -> int:
         if ref and "error" not in ref:
             r_pre = ours["prefill_tok_s"] / ref["prefill_tok_s"]
             r_dec = ours["decode_tok_s"] / ref["decode_tok_s"]
-            lc = f"{ref['prefill_tok_s']:17.1f} {ref['decode_tok_s']:8.1f}   {r_pre:22.2f} {r_dec:7.2f}"
+            lc = f"{ref['prefill_tok_s']:17.1f} {ref['decode_tok_s']:8.2f}   {r_pre:22.2f} {r_dec:7.2f}"
         elif ref:
             lc = f"  ({ref['error'][:60]})"
         mem = f"{ours['read_mib_per_token']:.0f} ({ours['floor_mib_per_token']:.0f})"
-        print(f"{name:34s} {fmt_spread(ours['prefill_tok_s_runs'], 26, 0)} "
-              f"{fmt_spread(ours['decode_tok_s_runs'], 24, 0)} {ours['held_gib']:8.2f} {mem:>18s}   {lc}",
+        digits = lambda k: 0 if ours[k] >= 100 else 1 if ours[k] >= 10 else 2  # noqa: E731
+        print(f"{name:34s} {fmt_spread(ours['prefill_tok_s_runs'], 26, digits('prefill_tok_s'))} "
+              f"{fmt_spread(ours['decode_tok_s_runs'], 24, digits('decode_tok_s'))} {ours['held_gib']:8.2f} {mem:>18s}   {lc}",
               flush=True)
         row = {"model": name, "path": str(path), **ours, "llama_cpp": ref}
         rows.append(row)
         if FLAGS.jsonl:
             with open(FLAGS.jsonl, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-    rss = rss_anon_gib()
+    rss = ours_rows[0].get("rss_anon_gib_all_loaded") if ours_rows else None
     if rss is not None:
         sizes = sorted({m[1].stat().st_size for m in models})
-        print(f"\nresident anonymous memory of this process after the runs: {rss:.2f} GiB "
+        print(f"\nresident anonymous memory of this process after the runs, all {len(models)} engine(s) loaded: "
+              f"{rss:.2f} GiB "
               f"(GGUF file size{'s' if len(sizes) > 1 else ''}: {', '.join(f'{x / 2**30:.2f}' for x in sizes)} GiB)")
     print(f"\n(prompt {FLAGS.prompt_tokens} tokens, {FLAGS.decode_tokens} decoded; synthetic: "
           f"{FLAGS.synthetic_prompt_tokens} / {FLAGS.synthetic_decode_tokens}; ours: median [min-max] of "
