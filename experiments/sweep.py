@@ -34,7 +34,7 @@ flags.DEFINE_string("out", None, "Output JSONL (default: results/<name>.jsonl)."
 flags.DEFINE_bool("quiet", False, "No per-run lines.")
 
 LOAD_OPTIONS = frozenset({"max_context", "expert_budget", "expert_budget_frac", "expert_policy", "expert_mode",
-                          "prefill_buckets"})
+                          "prefill_buckets", "row_kernel", "gdn_chunk"})
 # Options that only matter with speculation: collapsed for speculative = None.
 SPECULATIVE_ONLY = ("draft_tokens", "verify")
 

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from gguf import GGMLQuantizationType
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import GGUFError
 from sharpi_jax.gguf import quants
 from sharpi_jax.gguf.reader import GGUFFile
@@ -197,25 +197,26 @@ def _experts_for(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None)
 
 
 def load_model(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None = None,
-               progress: bool | None = None) -> Transformer:
+               progress: bool | None = None, run: RunConfig = RunConfig()) -> Transformer:
     """Build the Transformer (trunk) of an open GGUF; `experts` provides the routed experts of MoE
     models (`sharpi_jax.experts.GGUFExperts`: whole stacks, or device slots under an expert budget).
-    progress=None shows a tqdm bar for large files."""
+    progress=None shows a tqdm bar for large files; run: how the blocks run."""
     _check_supported(f)
     experts = _experts_for(f, config, experts)
     if progress is None:
         progress = f.file_size >= PROGRESS_MIN_BYTES
     embed_qtype = int(f.tensor("token_embd.weight").qtype)
-    return _fill(f, lambda: Transformer(config, embed_qtype, experts.modules() if experts is not None else None),
+    return _fill(f, lambda: Transformer(config, embed_qtype, experts.modules() if experts is not None else None, run),
                  lambda path: _param_source(f, config, path, experts), progress)
 
 
-def load_block(f: GGUFFile, config: ModelConfig, layer: int, experts: ExpertLoader | None = None) -> Block:
+def load_block(f: GGUFFile, config: ModelConfig, layer: int, experts: ExpertLoader | None = None,
+               run: RunConfig = RunConfig()) -> Block:
     """One decoder block `blk.{layer}` with the trunk's layout and conventions, e.g. the MTP block's
     attention + FFN (`layer = config.mtp_layer`; its `nextn.*` extras are not part of a Block)."""
     _check_supported(f)
     experts = _experts_for(f, config, experts)
-    return _fill(f, lambda: Block(config, layer, experts.modules()(layer) if experts is not None else None),
+    return _fill(f, lambda: Block(config, layer, experts.modules()(layer) if experts is not None else None, run),
                  lambda path: _block_source(f, config, layer, path, experts), False)
 
 
@@ -249,7 +250,7 @@ def _mtp_source(f: GGUFFile, c: ModelConfig, trunk: Transformer | None, path: tu
 
 
 def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
-             experts: ExpertLoader | None = None) -> MTPHead:
+             experts: ExpertLoader | None = None, run: RunConfig = RunConfig()) -> MTPHead:
     """The MTP head of an open GGUF (`config.has_mtp`). With `trunk`, the shared embedding and LM head
     are the trunk's arrays (no copies); without, they are loaded from the file. `experts`: as for
     `load_model` (the MTP block's experts are always whole stacks)."""
@@ -262,7 +263,7 @@ def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
     embed_qtype = int(f.tensor(embed_name if embed_name in f.tensors else "token_embd.weight").qtype)
 
     def make() -> MTPHead:
-        return MTPHead(config, embed_qtype, experts.modules()(config.mtp_layer) if experts is not None else None)
+        return MTPHead(config, embed_qtype, experts.modules()(config.mtp_layer) if experts is not None else None, run)
 
     return _fill(f, make,
                  lambda path: _mtp_source(f, config, trunk, path, experts), False)
