@@ -47,7 +47,7 @@ flags.DEFINE_integer("repeats", None, "Timed rounds per cell, interleaved (defau
                      lower_bound=1)
 
 LOAD_OPTIONS = frozenset({"max_context", "expert_budget", "expert_budget_frac", "expert_policy", "expert_mode",
-                          "prefill_buckets"})
+                          "prefill_buckets", "row_kernel", "gdn_chunk"})
 # Options that only matter with speculation: collapsed for speculative = None.
 SPECULATIVE_ONLY = ("draft_tokens", "verify")
 DEFAULT_REPEATS = 3

@@ -5,7 +5,7 @@
     out = engine.generate("def fib(n):", max_new_tokens=64, speculative="mtp", draft_tokens=3)
 """
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import (GGUFError, InputError, SharpiError, UnsupportedArchitectureError,
                                UnsupportedQuantError)
 
@@ -19,5 +19,5 @@ def load(path=None, **options):
     return _load(path, **options)
 
 
-__all__ = ["GGUFError", "InputError", "ModelConfig", "SharpiError", "UnsupportedArchitectureError",
+__all__ = ["GGUFError", "InputError", "ModelConfig", "RunConfig", "SharpiError", "UnsupportedArchitectureError",
            "UnsupportedQuantError", "load"]

@@ -8,16 +8,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import residency as expert_residency
-from sharpi_jax.experts.provider import EXPERT_MODES, GGUFExperts
+from sharpi_jax.experts.provider import GGUFExperts
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
 from sharpi_jax.model.weights import load_model, load_mtp
@@ -25,7 +26,7 @@ from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
-from sharpi_jax.runtime.steps import DEFAULT_PREFILL_BUCKETS, Runtime
+from sharpi_jax.runtime.steps import Runtime
 
 SPECULATIVE_MODES = (None, "mtp")
 VERIFY_MODES = ("batched", "sequential")
@@ -47,30 +48,36 @@ class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""
 
     def __init__(self, path: str | os.PathLike[str], max_context: int = 4096, dtype: Any = jnp.float32, *,
-                 prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS, progress: bool | None = None,
-                 expert_mode: str = "grouped", expert_budget: int | None = None, expert_policy: str = "frequency",
-                 kernels: str = "auto", repack: str | None = "auto", **residency_options: Any):
+                 run_config: RunConfig | None = None, prefill_buckets: Sequence[int] | None = None,
+                 expert_mode: str | None = None, row_kernel: str | None = None, gdn_chunk: int | None = None,
+                 kernels: str | None = None, repack: str | None = "default", progress: bool | None = None,
+                 expert_budget: int | None = None, expert_policy: str = "frequency", **residency_options: Any):
         _check_dtype(dtype)
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise InputError(f"max_context must be a positive integer, got {max_context!r}")
+        if run_config is not None and not isinstance(run_config, RunConfig):
+            raise InputError(f"run_config must be a sharpi_jax.RunConfig, got {type(run_config).__name__}")
+        self.run_config: RunConfig = (run_config or RunConfig()).replace(
+            prefill_buckets=prefill_buckets, expert_mode=expert_mode, row_kernel=row_kernel, gdn_chunk=gdn_chunk,
+            kernels=kernels)
+        if repack != "default":  # None is a value here (no repacking), so "default" means "not given"
+            self.run_config = dataclasses.replace(self.run_config, repack=repack)
         self.path = os.fspath(path)
         self.gguf = GGUFFile(path)  # kept open: raw expert views may alias the mmap
         self.config: ModelConfig = read_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata, source=self.gguf.source)
-        if expert_mode not in EXPERT_MODES:
-            raise InputError(f"expert_mode must be one of {EXPERT_MODES}, got {expert_mode!r}")
-        self.matrix_format = MatrixFormat(resolve_kernels(kernels), repack)
+        self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
+                                                    **residency_options)
+        run = self.run_config
+        self.matrix_format = MatrixFormat(resolve_kernels(run.kernels), run.repack)
         if self.matrix_format.backend == "pallas":
             if expert_budget is not None:
                 raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
                                  "grouped kernel reads whole expert stacks (use kernels='xla')")
-            expert_mode = "pallas"  # the grouped-matmul + weighted-reduce kernels (experts.provider)
-        self.expert_mode = expert_mode
-        self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
-                                                    **residency_options)
-        self.experts = GGUFExperts(self.gguf, self.config, expert_mode, self.residency) if self.config.is_moe else None
-        self.model = load_model(self.gguf, self.config, self.experts, progress=progress, fmt=self.matrix_format)
-        self.runtime = Runtime(self.model, int(max_context), prefill_buckets)
+            run = self.run_config = run.replace(expert_mode=PALLAS_EXPERT_MODE)
+        self.experts = GGUFExperts(self.gguf, self.config, run, self.residency) if self.config.is_moe else None
+        self.model = load_model(self.gguf, self.config, self.experts, progress=progress, run=run)
+        self.runtime = Runtime(self.model, int(max_context), run)
         self._mtp: MTPRuntime | None = None
 
     @property
@@ -138,7 +145,7 @@ class Engine:
         if self._mtp is None:
             if not self.config.has_mtp:
                 raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
-            head = load_mtp(self.gguf, self.config, self.model, self.experts, fmt=self.matrix_format)
+            head = load_mtp(self.gguf, self.config, self.model, self.experts, run=self.run_config)
             self._mtp = MTPRuntime(head, self.max_context)
         return self._mtp
 
@@ -206,16 +213,17 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
          **kw: Any) -> Engine:
     """Load a GGUF (qwen35moe / qwen35 / qwen3next). path=None: the embedded default model.
 
-    Options: max_context (KV cache positions), dtype (float32 only), prefill_buckets (prefill chunk
-    sizes, each compiled once), progress (tqdm bar; default: files >= 256 MiB), expert_mode
-    ("grouped" | "per_token" routed-expert dispatch; bitwise equal), expert_budget (routed-expert bytes
-    kept on the device: an int, "6GiB", or a share like "25%"; None: all) and expert_policy ("static" |
-    "frequency" | "lru" | "slru"), kernels ("auto" | "xla" | "pallas" | "reference": the matmul backend,
-    "auto" = Pallas on a GPU, XLA elsewhere; see `sharpi_jax.quant.matmul`), repack ("auto": on XLA:CPU,
-    quantized matrices of >= 4M weights are repacked to int8 rows (lossy, 1 B/weight: the fast CPU
-    path for an LM head), smaller ones keep their GGUF encoding; None: every matrix in its GGUF
-    encoding, exact; "int8": every quantized matrix repacked), plus the residency options of `sharpi_jax.experts.residency.configure`
-    (device_budget, expert_counts, ...).
+    Options: max_context (KV cache positions), dtype (float32 only), run_config (a `RunConfig`: how the
+    model runs) and its fields as single options, which override it: prefill_buckets (prefill chunk
+    sizes, each compiled once), expert_mode ("grouped" | "per_token" routed-expert dispatch; bitwise
+    equal), row_kernel ("gemm" | "gemv"), gdn_chunk, kernels ("auto" | "xla" |
+    "pallas" | "reference": the matmul backend, "auto" = Pallas on a GPU, XLA elsewhere), repack
+    ("auto": on XLA:CPU quantized matrices of >= 4M weights are repacked to int8 rows, lossy, 1 B/weight:
+    the fast CPU path for an LM head; None: every matrix in its GGUF encoding, exact; "int8": all
+    quantized matrices repacked); progress (tqdm bar; default: files >= 256 MiB),
+    expert_budget (routed-expert bytes kept on the device: an int, "6GiB", or a share like "25%";
+    None: all) and expert_policy ("static" | "frequency" | "lru" | "slru"), plus the residency options
+    of `sharpi_jax.experts.residency.configure` (device_budget, expert_counts, ...).
     """
     if path is None:
         from sharpi_jax.assets import default_model_path

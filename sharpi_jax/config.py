@@ -1,7 +1,8 @@
-"""ModelConfig: the one source of shapes and layer types, built from GGUF metadata.
+"""ModelConfig: the one source of shapes and layer types, built from GGUF metadata; RunConfig: how a
+loaded model runs.
 
-Follows spec/qwen35moe.md section 1: trunk layers = block_count - nextn_predict_layers, layer types
-from `attention.recurrent_layers` (or the `full_attention_interval` fallback), rope sections, GDN head
+ModelConfig: trunk layers = block_count - nextn_predict_layers, layer types from
+`attention.recurrent_layers` (or the `full_attention_interval` fallback), rope sections, GDN head
 pairing (tiled for qwen35/qwen35moe GGUFs, grouped for qwen3next).
 """
 
@@ -12,9 +13,69 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from sharpi_jax.errors import GGUFError, UnsupportedArchitectureError
+from sharpi_jax.errors import GGUFError, InputError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("qwen35moe", "qwen35", "qwen3next")
+EXPERT_MODES = ("grouped", "per_token")  # bitwise equal per row; grouped reads each expert once per batch
+PALLAS_EXPERT_MODE = "pallas"  # set by kernels="pallas": the Pallas grouped-matmul + weighted-reduce kernels
+ROW_KERNELS = ("gemm", "gemv")
+KERNELS = ("auto", "xla", "pallas", "reference")  # matmul backends (sharpi_jax.quant.matmul)
+REPACKS = (None, "int8", "auto")  # explicit matrix repackings (sharpi_jax.quant.matmul.weight_layout)
+# Prefill chunk sizes: a 128-token prompt runs as one 128-row chunk, not as a half-padding 256-row one.
+DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
+DEFAULT_GDN_CHUNK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How a loaded model runs, as opposed to what it computes (ModelConfig): frozen and hashable, so it
+    can sit in a compiled graph. `sj.load` builds one from its options (or takes `run_config=`) and hands
+    it to the modules, the expert providers and the runtime.
+
+    expert_mode: routed-expert dispatch, "grouped" (each selected expert read once per batch) or
+        "per_token" (the reference loop); bitwise equal.
+    row_kernel: the row-stable product of the XLA expert paths: "gemm" (every product has >= 2 rows)
+        or "gemv" (exactly 1 row; faster for a single decode token on CPU). The two differ in the last
+        bits from each other; within one kernel, batched verify equals sequential decode bit for bit.
+    prefill_buckets: prefill chunk sizes (sorted, distinct, positive), each compiled once.
+    gdn_chunk: chunk length of the chunked Gated DeltaNet form (prefill); changes prefill's last bits.
+    kernels: the matmul backend, "auto" (Pallas on a GPU, XLA elsewhere), "xla", "pallas" (then the
+        routed experts use the Pallas kernels too) or "reference" (exact dequantization + f32 dot).
+    repack: explicit repacking of quantized matrices on XLA: "auto" (int8 rows for matrices of >= 4M
+        weights), None (every matrix in its GGUF encoding) or "int8" (all); see sharpi_jax.quant.
+    """
+
+    expert_mode: str = "grouped"
+    row_kernel: str = "gemm"
+    prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
+    gdn_chunk: int = DEFAULT_GDN_CHUNK
+    kernels: str = "auto"
+    repack: str | None = "auto"
+
+    def __post_init__(self) -> None:
+        if self.expert_mode not in (*EXPERT_MODES, PALLAS_EXPERT_MODE):
+            raise InputError(f"expert_mode must be one of {EXPERT_MODES}, got {self.expert_mode!r}")
+        if self.kernels not in KERNELS:
+            raise InputError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.repack not in REPACKS:
+            raise InputError(f"repack must be one of {REPACKS}, got {self.repack!r}")
+        if self.row_kernel not in ROW_KERNELS:
+            raise InputError(f"row_kernel must be one of {ROW_KERNELS}, got {self.row_kernel!r}")
+        try:
+            buckets = tuple(sorted({int(b) for b in self.prefill_buckets}))
+            ok = bool(buckets) and buckets[0] >= 1 and not any(isinstance(b, bool) for b in self.prefill_buckets)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InputError(f"prefill_buckets must be positive sizes, got {self.prefill_buckets!r}")
+        object.__setattr__(self, "prefill_buckets", buckets)
+        if isinstance(self.gdn_chunk, bool) or not isinstance(self.gdn_chunk, (int, np.integer)) or self.gdn_chunk < 1:
+            raise InputError(f"gdn_chunk must be a positive integer, got {self.gdn_chunk!r}")
+        object.__setattr__(self, "gdn_chunk", int(self.gdn_chunk))
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A copy with some fields changed (validated again); None values leave a field as it is."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +395,6 @@ SHAPE_PRESETS = {"tiny": tiny_qwen35moe, "qwen36-35b-a3b": qwen36_35b_a3b, "qwen
 
 def shape_preset(name: str, n_layer: int | None = None) -> ModelConfig:
     """A named model shape (see SHAPE_PRESETS), optionally with n_layer trunk layers (+1 MTP block)."""
-    from sharpi_jax.errors import InputError
-
     if name not in SHAPE_PRESETS:
         raise InputError(f"unknown shape preset {name!r} (known: {', '.join(SHAPE_PRESETS)})")
     return SHAPE_PRESETS[name]() if n_layer is None else SHAPE_PRESETS[name](n_layer=n_layer)

@@ -49,11 +49,12 @@ from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import quant_blocks as qb
 from pallas_kernels.weighted_reduce import kernel as wr_kernel
 from pallas_kernels.weighted_reduce import reference as wr_reference
+from sharpi_jax import config
 from sharpi_jax.errors import InputError, UnsupportedQuantError
 from sharpi_jax.experts.expert_weights import ExpertWeights
 
 MODES = ("per_token", "grouped", "pallas")
-ROW_KERNELS = ("gemm", "gemv")
+ROW_KERNELS = config.ROW_KERNELS  # ("gemm", "gemv")
 
 __all__ = [
     "ExpertWeights",

@@ -15,17 +15,15 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
 from sharpi_jax.experts.dispatch import routed_experts
 from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, qtype_name, storage_values,
                                                storage_variables, to_expert_storage)
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
 
-EXPERT_MODES = ("grouped", "per_token")  # bitwise equal per row; grouped reads each expert once per batch
-# "pallas" (sj.load(kernels="pallas")): the Pallas grouped-matmul + weighted-reduce kernels, with in-kernel
-# dequantization of these expert types; a layer whose experts have another type keeps "grouped".
-PALLAS_MODE = "pallas"
+# Routed-expert types the Pallas kernels dequantize in-kernel (expert_mode "pallas", set by
+# kernels="pallas"); a layer whose experts have another type keeps the "grouped" XLA dispatch.
 PALLAS_EXPERT_TYPES = ("f32", "f16", "q8_0", "q4_k")
 
 
@@ -38,13 +36,12 @@ class RoutedExperts(nnx.Module):
     """One layer's routed experts: gate/up [E, F, D] and down [E, D, F] in storage form + static qtypes."""
 
     def __init__(self, n_expert: int, d_model: int, d_ff: int, qtypes: tuple[int, int, int],
-                 mode: str = "grouped"):
-        """qtypes: (gate, up, down) ggml type ids; mode: the dispatch ("grouped" | "per_token" | "pallas")."""
-        if mode not in (*EXPERT_MODES, PALLAS_MODE):
-            raise ValueError(f"expert_mode must be one of {EXPERT_MODES} or {PALLAS_MODE!r}, got {mode!r}")
-        if mode == PALLAS_MODE and any(qtype_name(q) not in PALLAS_EXPERT_TYPES for q in qtypes):
-            mode = "grouped"
-        self.n_expert, self.d_model, self.d_ff, self.mode = n_expert, d_model, d_ff, mode
+                 run: RunConfig = RunConfig()):
+        """qtypes: (gate, up, down) ggml type ids; run: the dispatch (expert_mode, row_kernel)."""
+        self.n_expert, self.d_model, self.d_ff = n_expert, d_model, d_ff
+        self.mode, self.row_kernel = run.expert_mode, run.row_kernel
+        if self.mode == PALLAS_EXPERT_MODE and any(qtype_name(q) not in PALLAS_EXPERT_TYPES for q in qtypes):
+            self.mode = "grouped"
         self.qtypes = tuple(int(q) for q in qtypes)
         for which, q in zip(EXPERT_MATRICES, self.qtypes):
             setattr(self, which, storage_variables(expert_storage(matrix_shape(n_expert, d_model, d_ff, which), q)))
@@ -56,7 +53,7 @@ class RoutedExperts(nnx.Module):
 
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """`moe.ExpertProvider`: padding rows already carry zero weights, so `valid` is not needed."""
-        return routed_experts(u, sel, w, self.weights(), mode=self.mode)
+        return routed_experts(u, sel, w, self.weights(), mode=self.mode, row_kernel=self.row_kernel)
 
 
 class GGUFExperts:
@@ -66,10 +63,8 @@ class GGUFExperts:
     the others (the MTP block) whole stacks.
     """
 
-    def __init__(self, f: GGUFFile, config: ModelConfig, mode: str = "grouped", residency: Any = None):
-        if mode not in (*EXPERT_MODES, PALLAS_MODE):
-            raise ValueError(f"expert_mode must be one of {EXPERT_MODES} or {PALLAS_MODE!r}, got {mode!r}")
-        self.gguf, self.config, self.mode, self.residency = f, config, mode, residency
+    def __init__(self, f: GGUFFile, config: ModelConfig, run: RunConfig = RunConfig(), residency: Any = None):
+        self.gguf, self.config, self.run, self.residency = f, config, run, residency
         self._pending: dict = {}  # SoA fields of the matrix being loaded
 
     def modules(self) -> Callable[[int], nnx.Module]:
@@ -79,10 +74,10 @@ class GGUFExperts:
 
         def make(layer: int) -> nnx.Module:
             if self.residency is not None:
-                m = self.residency.experts_module(layer, self.mode, shared)
+                m = self.residency.experts_module(layer, self.run, shared)
                 if m is not None:
                     return m
-            return RoutedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer), self.mode)
+            return RoutedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer), self.run)
 
         return make
 

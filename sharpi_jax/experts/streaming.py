@@ -79,7 +79,7 @@ def _next_pow2(n: int, lo: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _host_fn(qtypes: tuple[int, int, int], d_ff: int, d_model: int):
+def _host_fn(qtypes: tuple[int, int, int], d_ff: int, d_model: int, row_kernel: str):
     """Jitted host computation: rows x [P, D] through local experts (raw GGUF bytes) -> [P, D]."""
 
     def fn(x, lsel, rg, ru, rd):
@@ -88,7 +88,7 @@ def _host_fn(qtypes: tuple[int, int, int], d_ff: int, d_model: int):
         ew = ExpertWeights.from_storage(to_expert_storage(rg, (n, F, D), qtypes[0]),
                                         to_expert_storage(ru, (n, F, D), qtypes[1]),
                                         to_expert_storage(rd, (n, D, F), qtypes[2]), qtypes)
-        y, _ = dispatch.expert_rows(x, lsel, ew, "grouped")
+        y, _ = dispatch.expert_rows(x, lsel, ew, "grouped", row_kernel)
         return y[:, 0]
 
     return jax.jit(fn)
@@ -157,8 +157,10 @@ class Streamer:
             self._staging[key] = tuple(np.zeros((n,) + v.shape[1:], np.uint8) for v in src.views)
         return self._staging[key]
 
-    def serve(self, layer: int, n_stage: int, with_host: bool, stream_ids, host_ids, u, sel, valid):
-        """Stream `stream_ids` (>= 0; -1 pads) into staging, host-compute the pairs of `host_ids`.
+    def serve(self, layer: int, n_stage: int, with_host: bool, row_kernel: str, stream_ids, host_ids, u, sel,
+              valid):
+        """Stream `stream_ids` (>= 0; -1 pads) into staging, host-compute the pairs of `host_ids` (with
+        the device's row kernel, `RunConfig.row_kernel`).
 
         Returns (gate, up, down raw staging [n_stage, ...]) if n_stage, then y_host f32 [N, k, D]
         if with_host (pairs of valid rows whose expert is in host_ids; zeros elsewhere: padding
@@ -184,7 +186,7 @@ class Streamer:
             y = np.zeros(sel.shape + (src.d_model,), np.float32)
             if hosted.size:
                 th = time.perf_counter()
-                n_pairs = self._host_compute(src, u, sel, np.asarray(valid, bool), hosted, y)
+                n_pairs = self._host_compute(src, u, sel, np.asarray(valid, bool), hosted, y, row_kernel)
                 host_s = time.perf_counter() - th
             out.append(y)
         self._prefetch(layer, np.concatenate([streamed, hosted]))
@@ -202,7 +204,7 @@ class Streamer:
         return tuple(out)
 
     def _host_compute(self, src: LayerSource, u: np.ndarray, sel: np.ndarray, valid: np.ndarray,
-                      hosted: np.ndarray, y: np.ndarray) -> int:
+                      hosted: np.ndarray, y: np.ndarray, row_kernel: str) -> int:
         """Rows of the pairs routed to `hosted` experts, computed from the mmap into y [N, k, D]."""
         local = np.full(src.n_expert, -1, np.int64)
         local[hosted] = np.arange(hosted.size)
@@ -221,7 +223,7 @@ class Streamer:
             r = np.zeros((n_loc,) + view.shape[1:], np.uint8)
             r[: hosted.size] = view[hosted]
             raws.append(r)
-        fn = _host_fn(src.qtypes, src.d_ff, src.d_model)
+        fn = _host_fn(src.qtypes, src.d_ff, src.d_model, row_kernel)
         with jax.default_device(jax.devices("cpu")[0]):
             out = np.asarray(fn(x, lsel, *raws))
         y[rows, ranks] = out[:n_pairs]

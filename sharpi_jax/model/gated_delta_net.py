@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import DEFAULT_GDN_CHUNK, ModelConfig
 from sharpi_jax.model.layers import Linear, rms_norm
 
-GDN_CHUNK = 64
+GDN_CHUNK = DEFAULT_GDN_CHUNK
 
 
 def softplus(x: jax.Array) -> jax.Array:
@@ -114,7 +114,9 @@ def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK):
 class GatedDeltaNet(nnx.Module):
     """GDN mixer: fused input projection [qkv | z | beta | alpha], causal conv, delta rule, gated norm."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, chunk: int = GDN_CHUNK):
+        """chunk: the chunk length of the chunked form (`RunConfig.gdn_chunk`)."""
+        self.chunk = int(chunk)
         self.Hk, self.Hv, self.dk = c.ssm_n_group, c.ssm_dt_rank, c.ssm_d_state
         self.dv = c.ssm_d_inner // c.ssm_dt_rank
         self.conv_dim, self.kc, self.eps = c.conv_dim, c.ssm_conv_kernel, c.rms_eps
@@ -189,7 +191,7 @@ class GatedDeltaNet(nnx.Module):
         return self._finish(o, z), conv_snaps, ssm_snaps
 
     def chunked(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,
-                ssm_state: jax.Array, chunk: int = GDN_CHUNK):
+                ssm_state: jax.Array, chunk: int | None = None):
         """Prefill form. x [T, D]; rows >= n_valid (valid False) are padding and leave the state as is.
         Returns (out [T, D], conv state, ssm state) after the last valid row."""
         T = x.shape[0]
@@ -204,7 +206,7 @@ class GatedDeltaNet(nnx.Module):
         m = valid[:, None]
         beta, g = jnp.where(m, beta, 0.0), jnp.where(m, g, 0.0)
         k, v = jnp.where(m[..., None], k, 0.0), jnp.where(m[..., None], v, 0.0)
-        o, S = delta_rule_chunked(q, k, v, beta, g, ssm_state, self.scale, chunk)
+        o, S = delta_rule_chunked(q, k, v, beta, g, ssm_state, self.scale, self.chunk if chunk is None else chunk)
         return self._finish(o, z), new_conv, S
 
     def sequential(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,

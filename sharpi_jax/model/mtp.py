@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.model.cache import AttnCache
 from sharpi_jax.model.layers import Linear, RMSNorm
 from sharpi_jax.model.transformer import Block, TokenEmbedding
@@ -32,7 +32,7 @@ from sharpi_jax.model.transformer import Block, TokenEmbedding
 class MTPHead(nnx.Module):
     """The MTP block of a qwen35moe / qwen35 / qwen3next model with its embedding and LM head."""
 
-    def __init__(self, c: ModelConfig, experts: nnx.Module | None = None):
+    def __init__(self, c: ModelConfig, experts: nnx.Module | None = None, run: RunConfig = RunConfig()):
         """experts: the block's routed experts (a `moe.ExpertProvider`; MoE archs)."""
         if not c.has_mtp:
             raise ValueError("config has no MTP block (nextn_predict_layers = 0)")
@@ -42,7 +42,7 @@ class MTPHead(nnx.Module):
         self.enorm = RMSNorm(D, c.rms_eps)
         self.hnorm = RMSNorm(D, c.rms_eps)
         self.eh_proj = Linear(2 * D, D)
-        self.block = Block(c, c.mtp_layer, experts)
+        self.block = Block(c, c.mtp_layer, experts, run)
         self.shared_head_norm = RMSNorm(D, c.rms_eps)
         self.lm_head = Linear(D, c.n_vocab)
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.model.attention import GatedAttention
 from sharpi_jax.model.cache import AttnCache, GDNCache, LayerCache
 from sharpi_jax.model.gated_delta_net import GatedDeltaNet
@@ -51,13 +51,14 @@ class TokenEmbedding(nnx.Module):
 class Block(nnx.Module):
     """One decoder block: x + mixer(norm x), then + ffn(norm h). The trunk's blocks and the MTP block."""
 
-    def __init__(self, c: ModelConfig, layer: int, experts: nnx.Module | None = None):
-        """experts: the routed experts of a MoE block (a `moe.ExpertProvider`; None for dense models)."""
+    def __init__(self, c: ModelConfig, layer: int, experts: nnx.Module | None = None, run: RunConfig = RunConfig()):
+        """experts: the routed experts of a MoE block (a `moe.ExpertProvider`; None for dense models);
+        run: how it runs (the GDN chunk length)."""
         self.layer = layer
         self.is_recurrent = c.is_recurrent(layer)
         self.attn_norm = RMSNorm(c.d_model, c.rms_eps)
         self.post_norm = RMSNorm(c.d_model, c.rms_eps)
-        self.mixer = GatedDeltaNet(c) if self.is_recurrent else GatedAttention(c)
+        self.mixer = GatedDeltaNet(c, run.gdn_chunk) if self.is_recurrent else GatedAttention(c)
         self.is_moe = c.is_moe
         if c.is_moe and experts is None:
             raise ValueError(f"block {layer} of a MoE model needs its routed experts (an ExpertProvider)")
@@ -95,12 +96,13 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """The trunk of a qwen35moe / qwen35 / qwen3next model (MTP blocks excluded)."""
 
-    def __init__(self, c: ModelConfig, experts: Callable[[int], nnx.Module] | None = None):
+    def __init__(self, c: ModelConfig, experts: Callable[[int], nnx.Module] | None = None,
+                 run: RunConfig = RunConfig()):
         """experts: layer -> the routed experts of that MoE block (a `moe.ExpertProvider`, e.g. from
-        `sharpi_jax.experts`)."""
+        `sharpi_jax.experts`); run: how the blocks run."""
         self.config = c
         self.embed = TokenEmbedding(c.n_vocab, c.d_model)
-        self.layers = nnx.List([Block(c, i, experts(i) if c.is_moe else None) for i in range(c.n_layer)])
+        self.layers = nnx.List([Block(c, i, experts(i) if c.is_moe else None, run) for i in range(c.n_layer)])
         self.output_norm = RMSNorm(c.d_model, c.rms_eps)
         self.lm_head = Linear(c.d_model, c.n_vocab)
 

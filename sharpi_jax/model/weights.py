@@ -19,13 +19,13 @@ import numpy as np
 from flax import nnx
 from gguf import GGMLQuantizationType
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import GGUFError
 from sharpi_jax.gguf import quants
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.model.transformer import Block, Transformer
-from sharpi_jax.quant import MatrixFormat, QTensor, abstract, pack_rows
+from sharpi_jax.quant import MatrixFormat, QTensor, abstract, pack_rows, resolve_kernels
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for files at least this large
 Source = Callable[[], Any]  # loads one param's value
@@ -227,6 +227,11 @@ def _fill(f: GGUFFile, make: Callable[[], nnx.Module], source: Callable[[tuple],
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
+def matrix_format(run: RunConfig) -> MatrixFormat:
+    """How a run holds the model's matrices: its resolved kernel backend and repacking."""
+    return MatrixFormat(resolve_kernels(run.kernels), run.repack)
+
+
 def _experts_for(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None) -> ExpertLoader | None:
     if config.is_moe and experts is None:
         raise GGUFError(f"{f.source}: a MoE model needs an expert loader (sharpi_jax.experts.GGUFExperts)")
@@ -234,26 +239,28 @@ def _experts_for(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None)
 
 
 def load_model(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None = None,
-               progress: bool | None = None, fmt: MatrixFormat = MatrixFormat()) -> Transformer:
+               progress: bool | None = None, run: RunConfig = RunConfig()) -> Transformer:
     """Build the Transformer (trunk) of an open GGUF; `experts` provides the routed experts of MoE
-    models (`sharpi_jax.experts.GGUFExperts`: whole stacks, or device slots under an expert budget);
-    `fmt` how the other matrices are held. progress=None shows a tqdm bar for large files."""
+    models (`sharpi_jax.experts.GGUFExperts`: whole stacks, or device slots under an expert budget).
+    progress=None shows a tqdm bar for large files; run: how the blocks run and how matrices are held
+    (its kernels and repack, `matrix_format`)."""
     _check_supported(f)
     experts = _experts_for(f, config, experts)
     if progress is None:
         progress = f.file_size >= PROGRESS_MIN_BYTES
-    return _fill(f, lambda: Transformer(config, experts.modules() if experts is not None else None),
+    fmt = matrix_format(run)
+    return _fill(f, lambda: Transformer(config, experts.modules() if experts is not None else None, run),
                  lambda path: _param_source(f, config, fmt, path, experts), progress)
 
 
 def load_block(f: GGUFFile, config: ModelConfig, layer: int, experts: ExpertLoader | None = None,
-               fmt: MatrixFormat = MatrixFormat()) -> Block:
+               run: RunConfig = RunConfig()) -> Block:
     """One decoder block `blk.{layer}` with the trunk's layout and conventions, e.g. the MTP block's
     attention + FFN (`layer = config.mtp_layer`; its `nextn.*` extras are not part of a Block)."""
     _check_supported(f)
     experts = _experts_for(f, config, experts)
-    return _fill(f, lambda: Block(config, layer, experts.modules()(layer) if experts is not None else None),
-                 lambda path: _block_source(f, config, fmt, layer, path, experts), False)
+    return _fill(f, lambda: Block(config, layer, experts.modules()(layer) if experts is not None else None, run),
+                 lambda path: _block_source(f, config, matrix_format(run), layer, path, experts), False)
 
 
 def _mtp_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, trunk: Transformer | None, path: tuple,
@@ -289,7 +296,7 @@ def _mtp_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, trunk: Transform
 
 
 def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
-             experts: ExpertLoader | None = None, fmt: MatrixFormat = MatrixFormat()) -> MTPHead:
+             experts: ExpertLoader | None = None, run: RunConfig = RunConfig()) -> MTPHead:
     """The MTP head of an open GGUF (`config.has_mtp`). With `trunk`, the shared embedding and LM head
     are the trunk's arrays (no copies); without, they are loaded from the file. `experts`: as for
     `load_model` (the MTP block's experts are always whole stacks)."""
@@ -297,5 +304,7 @@ def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
     if not config.has_mtp:
         raise GGUFError(f"{f.source}: the model has no MTP block (nextn_predict_layers = 0)")
     experts = _experts_for(f, config, experts)
-    return _fill(f, lambda: MTPHead(config, experts.modules()(config.mtp_layer) if experts is not None else None),
-                 lambda path: _mtp_source(f, config, fmt, trunk, path, experts), False)
+    def make() -> MTPHead:
+        return MTPHead(config, experts.modules()(config.mtp_layer) if experts is not None else None, run)
+
+    return _fill(f, make, lambda path: _mtp_source(f, config, matrix_format(run), trunk, path, experts), False)

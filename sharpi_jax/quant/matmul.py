@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as gm
+from sharpi_jax.config import KERNELS, REPACKS
 from sharpi_jax.errors import InputError
 from sharpi_jax.quant.qtensor import FLOAT_TYPES, KERNEL_TYPES, SOA_TYPES, QTensor, Q
 
-KERNELS = ("auto", "xla", "pallas", "reference")
 BACKENDS = ("xla", "pallas", "reference")
 PALLAS_BLOCK_M = 16
 PALLAS_BLOCK_N = 64
@@ -60,7 +60,6 @@ def _block_n(n: int) -> int | None:
     return None
 
 
-REPACKS = (None, "int8", "auto")
 # repack="auto": int8 for quantized matrices of at least this many weights (an LM head, a 35B-A3B
 # layer's attention / GDN projections) on XLA:CPU, where dequantizing them in every step would dominate
 # decode; smaller matrices (and every matrix of a small model) keep their exact GGUF encoding.

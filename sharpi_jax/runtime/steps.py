@@ -26,14 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharpi_jax.config import DEFAULT_PREFILL_BUCKETS, RunConfig  # noqa: F401 (DEFAULT_PREFILL_BUCKETS: re-export)
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.runtime.state import DecodeState, Snapshots, init_state, repeat_as_snapshots, select_snapshot
 
-# Prefill chunk sizes (each compiles once). A 128-token prompt runs as one 128-row chunk, not as a
-# 256-row bucket that would be half padding; see `prefill_plan` for how a prompt is cut.
-DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
 MAX_PADDING_SHARE = 0.25  # a chunk may round up to a bucket when at most this share of it is padding
 
 
@@ -115,14 +113,12 @@ class Runtime:
     Every step donates the state it is given: use the returned state, never the passed one.
     """
 
-    def __init__(self, model: Transformer, max_context: int,
-                 prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS):
+    def __init__(self, model: Transformer, max_context: int, run: RunConfig | Sequence[int] = RunConfig()):
+        """run: the run configuration (its prefill_buckets), or just the prefill bucket sizes."""
         self.config = model.config
         self.max_context = int(max_context)
-        buckets = sorted({int(b) for b in prefill_buckets})
-        if not buckets or buckets[0] < 1:
-            raise InputError(f"prefill_buckets must be positive sizes, got {prefill_buckets!r}")
-        self.prefill_buckets = tuple(buckets)
+        self.run = run if isinstance(run, RunConfig) else RunConfig(prefill_buckets=tuple(run))
+        self.prefill_buckets = self.run.prefill_buckets
         self.graphdef, cache, state = nnx.split(model, ExpertCache, ...)
         leaves, treedef = jax.tree.flatten(state)
         self.params = tuple(leaves)  # the model's arrays, flat (see _step_fns)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from sharpi_jax.config import ModelConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts.expert_weights import expert_storage, to_expert_storage
 from sharpi_jax.experts.provider import field_of
@@ -46,7 +46,7 @@ class Residency:
         self._pending: dict = {}  # SoA fields of the slot stack being loaded
 
     # ----- model construction -----
-    def experts_module(self, layer: int, mode: str, shared: dict) -> ResidentExperts | None:
+    def experts_module(self, layer: int, run: RunConfig, shared: dict) -> ResidentExperts | None:
         """The layer's ResidentExperts, or None when the layer is not managed (e.g. the MTP block).
         Layers of one block-type mix share one staging buffer, kept in `shared` (one per model build)."""
         spec = self.plan.layers.get(layer)
@@ -54,7 +54,7 @@ class Residency:
             return None
         if spec.qtypes not in shared:
             shared[spec.qtypes] = staging_buffer(spec)
-        return ResidentExperts(spec, self.streamer, shared[spec.qtypes], mode)
+        return ResidentExperts(spec, self.streamer, shared[spec.qtypes], run)
 
     def source(self, layer: int, path: tuple) -> Callable[[], Any]:
         """The loader of one param of the layer's ResidentExperts (slot stacks, LUT, ring state)."""

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import io_callback
 
+from sharpi_jax.config import RunConfig
 from sharpi_jax.experts import dispatch
 from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, storage_values, storage_variables,
                                                to_expert_storage)
-from sharpi_jax.experts.provider import EXPERT_MODES
 from sharpi_jax.experts.residency.plan import LayerSpec
 from sharpi_jax.experts.residency.policies import slot_policy
 from sharpi_jax.experts.streaming import MATRICES, Streamer
@@ -101,14 +101,13 @@ class ResidentExperts(nnx.Module):
     (Writing the stack inside the first cond made XLA copy the whole stack on every miss.)
     """
 
-    def __init__(self, spec: LayerSpec, streamer: Streamer, staged: nnx.Dict | None = None, mode: str = "grouped"):
+    def __init__(self, spec: LayerSpec, streamer: Streamer, staged: nnx.Dict | None = None,
+                 run: RunConfig = RunConfig()):
         """staged: the staging buffer shared by the layers of this block-type mix (`staging_buffer`);
-        mode: the dispatch of device-resident experts ("grouped" | "per_token", bitwise equal)."""
-        if mode not in EXPERT_MODES:
-            raise ValueError(f"expert_mode must be one of {EXPERT_MODES}, got {mode!r}")
+        run: the dispatch of the experts computed here (expert_mode, row_kernel), device and host alike."""
         self.spec = spec
         self.streamer = streamer
-        self.mode = mode
+        self.mode, self.row_kernel = run.expert_mode, run.row_kernel
         S, E = spec.n_slots, spec.n_expert
         for j, m in enumerate(MATRICES):
             shape = (S,) + matrix_shape(spec, m)
@@ -153,7 +152,7 @@ class ResidentExperts(nnx.Module):
         no_write = jnp.full((self._n_write(N),), S, jnp.int32)
 
         def fast(v, stack, staged, u, sel, w, slot, used, vmask):
-            out = dispatch.routed_experts(u, slot, w, self._weights(stack), mode=mode)
+            out = dispatch.routed_experts(u, slot, w, self._weights(stack), mode=mode, row_kernel=self.row_kernel)
             return out, v, staged, no_write
 
         def slow(v, stack, staged, u, sel, w, slot, used, vmask):
@@ -203,7 +202,7 @@ class ResidentExperts(nnx.Module):
             shapes += [jax.ShapeDtypeStruct((n_stage,) + vw.shape[1:], jnp.uint8) for vw in src.views]
         if with_host:
             shapes.append(jax.ShapeDtypeStruct((N, k, D), jnp.float32))
-        res = io_callback(functools.partial(self.streamer.serve, s.layer, n_stage, with_host), tuple(shapes),
+        res = io_callback(functools.partial(self.streamer.serve, s.layer, n_stage, with_host, self.row_kernel), tuple(shapes),
                           stream_ids, host_ids, u, sel, vmask[:, 0], ordered=False)
         ctr = v["ctr"]
         ctr = ctr.at[_C["slow_batches"]].add(1)
@@ -227,7 +226,7 @@ class ResidentExperts(nnx.Module):
         if S or n_stage:
             view = _Stacked(self._weights(stack) if S else None, self._weights(staged) if n_stage else None, S)
             idx_d = jnp.where(on_dev, idx, jnp.maximum(jnp.max(idx), 0))  # host pairs ride along a used expert
-            y_dev = jax.lax.cond(jnp.any(on_dev), lambda: dispatch.expert_rows(u, idx_d, view, mode)[0],
+            y_dev = jax.lax.cond(jnp.any(on_dev), lambda: dispatch.expert_rows(u, idx_d, view, mode, self.row_kernel)[0],
                                  lambda: jnp.zeros((N, k, D), jnp.float32))
             y = jnp.where(on_dev[..., None], y_dev, res[-1]) if with_host else y_dev
         else:
