@@ -22,7 +22,6 @@ M gives the same bits per row; the Pallas kernel's per-row reduction order depen
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -196,8 +195,3 @@ def _dequantize_matmul(x: jax.Array, w: QTensor) -> jax.Array:
 def reference_matmul(x: jax.Array, w: QTensor) -> jax.Array:
     """The reference every backend is tested against: exact dequantization, float32 dot."""
     return _contract_last(x.astype(jnp.float32), w.dequantize())
-
-
-@functools.lru_cache(maxsize=None)
-def _supported_types() -> tuple[str, ...]:
-    return tuple(sorted(t.name for t in (*FLOAT_TYPES, *SOA_TYPES)))
