@@ -1,6 +1,7 @@
 """Fingerprints of the framework's numerical behaviour, for refactors that must not change a bit.
 
     python -m experiments.behaviour_hashes [--out=FILE.json] [--compare=BEFORE.json] [--only=logits,mtp,...]
+        [--files=tiny-qwen35moe-F32,...]
 
 Prints one sha256 per behaviour (over the exact bytes, shapes and dtypes of the arrays it produces):
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,9 +34,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write the hashes (JSON) here.")
 flags.DEFINE_string("compare", None, "A JSON file of an earlier run to compare with.")
 flags.DEFINE_list("only", ["logits", "mtp", "train", "residency"], "Which groups to run.")
+flags.DEFINE_list("files", None, "logits group: only these fixture files (e.g. tiny-qwen35moe-F32; default all).")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
+FIXTURES = Path(os.environ.get("SHARPI_FIXTURES") or REPO_ROOT.parent / "shared" / "fixtures")
 FILES = [("tiny-qwen35moe", "F32"), ("tiny-qwen35moe", "Q4_K_M"), ("tiny-qwen35", "F32"),
          ("tiny-qwen35", "Q4_K_M"), ("tiny-qwen3next", "F32"), ("tiny-qwen3next", "Q8_0")]
 MAX_CONTEXT = 512
@@ -76,7 +79,11 @@ def _engine(name: str, variant: str, **kw):
 
 def logits_hashes() -> dict[str, str]:
     out = {}
-    for name, variant in FILES:
+    files = FILES if not FLAGS.files else [(n, v) for n, v in FILES if f"{n}-{v}" in FLAGS.files]
+    unknown = set(FLAGS.files or ()) - {f"{n}-{v}" for n, v in FILES}
+    if unknown:
+        raise app.UsageError(f"--files: unknown {sorted(unknown)}; choose from {[f'{n}-{v}' for n, v in FILES]}")
+    for name, variant in files:
         e = _engine(name, variant)
         prompts = _refs(name)["variants"][f"{name}-{variant}"]["tokens"]
         out[f"logits/{name}-{variant}"] = digest([e.logits(p) for p in prompts])

@@ -238,6 +238,7 @@ def bench_threshold(path: Path, emit) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
+    from sharpi_jax.config import RunConfig
     from sharpi_jax.gguf import GGUFFile, read_model_config
     from sharpi_jax.experts import residency
     from sharpi_jax.model.moe import route
@@ -255,7 +256,7 @@ def bench_threshold(path: Path, emit) -> list[dict]:
         # Zero slots: the budget is exactly the staging, so every expert of a batch is cold.
         res = residency.configure(f, c, staging * bpe, "static", expert_staging=staging, expert_cold=cold,
                                   expert_prefetch=0)
-        graphdef, state = nnx.split(res.experts_module(0, "grouped", {}))
+        graphdef, state = nnx.split(res.experts_module(0, RunConfig(expert_mode="grouped"), {}))
 
         def call(state, u, sel, w, valid):
             m = nnx.merge(graphdef, state)

@@ -16,15 +16,15 @@ PROMPT = "import os\nimport sys\n\n\nclass "
 
 
 def test_defaults_and_normalisation():
-    run = RunConfig(prefill_buckets=[256, 32, 32])
-    assert run.prefill_buckets == (32, 256) and run == RunConfig()
+    run = RunConfig(prefill_buckets=[256, 128, 32, 32])
+    assert run.prefill_buckets == (32, 128, 256) and run == RunConfig()
     assert hash(run) == hash(RunConfig())
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.expert_mode = "per_token"  # type: ignore[misc]
     assert run.replace(row_kernel=None, gdn_chunk=16) == RunConfig(gdn_chunk=16)
 
 
-@pytest.mark.parametrize("field,bad", [("expert_mode", "pallas"), ("row_kernel", "gemx"), ("prefill_buckets", ()),
+@pytest.mark.parametrize("field,bad", [("expert_mode", "pallax"), ("row_kernel", "gemx"), ("prefill_buckets", ()),
                                        ("prefill_buckets", (0, 32)), ("prefill_buckets", 32), ("gdn_chunk", 0),
                                        ("gdn_chunk", True)])
 def test_bad_values_are_named(field, bad):

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sharpi_jax.gguf import GGUFFile, read_model_config
+from tests.conftest import FIXTURES
 from tests.experiments.entry_point import REPO_ROOT, jsonl, ok, own_lines, run_entry_point
 
 JOBS = max(1, min(2, os.cpu_count() or 1))
@@ -68,7 +69,15 @@ COMMANDS = {
     "test_info_text": ("info", lambda t: []),
     "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
     "test_generate_compare_needs_mtp": ("generate", lambda t: ["--compare"]),
+    "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
+        "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
+
+
+def _before(tmp):
+    """A 'before' file whose logits hash is wrong and whose mtp_logits hash is absent."""
+    (tmp / "before.json").write_text(json.dumps({"logits/tiny-qwen35moe-F32": "0" * 64}))
+    return tmp / "before.json"
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +232,20 @@ def test_train_tiny(runs, request):
     with GGUFFile(out / "tiny-trained-Q8_0.gguf") as f:
         c = read_model_config(f)
         assert c.has_mtp and c.n_layer == 1
+
+
+def test_behaviour_hashes_flags_a_changed_hash(runs, request):
+    """The refactor guard exits 1 and names the behaviour whose bytes changed (fixtures needed)."""
+    fixture = FIXTURES / "tiny-qwen35moe" / "tiny-qwen35moe-F32.gguf"
+    if not fixture.is_file():
+        pytest.skip(f"fixture absent: {fixture}")
+    tmp, res = result(runs, request)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "1 equal" not in res.stdout and "0 equal, 1 different" in res.stdout
+    assert "DIFFERENT logits/tiny-qwen35moe-F32" in res.stdout
+    after = json.loads((tmp / "after.json").read_text())
+    assert set(after) == {"logits/tiny-qwen35moe-F32", "mtp_logits/tiny-qwen35moe-F32"}
+    assert all(re.fullmatch(r"[0-9a-f]{64}", v) for v in after.values())
 
 
 def test_every_entry_point_has_a_smoke_test():
