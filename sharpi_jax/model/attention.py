@@ -19,6 +19,7 @@ from flax import nnx
 
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.model.layers import Linear, RMSNorm, rope_neox
+from sharpi_jax.model.tree import TreeRows, view_scores, view_sources, view_values
 
 
 class GatedAttention(nnx.Module):
@@ -34,8 +35,10 @@ class GatedAttention(nnx.Module):
         self.k_norm = RMSNorm(hd, c.rms_eps)
 
     def __call__(self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache_k: jax.Array,
-                 cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] normed input, positions [T] int32, valid [T] bool -> (out [T, D], cache_k, cache_v)."""
+                 cache_v: jax.Array, tree: TreeRows | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] normed input, positions [T] int32, valid [T] bool -> (out [T, D], cache_k, cache_v).
+        tree: draft-tree rows (K/V written to tree.slots, each row sees the context and its ancestors,
+        `sharpi_jax.model.tree`); positions[0] - tree.depth[0] is the tree's base position."""
         T = x.shape[0]
         Hq, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
         G = Hq // Hkv
@@ -49,18 +52,24 @@ class GatedAttention(nnx.Module):
         k = rope_neox(self.k_norm(k), positions, self.n_rot, self.rope_base, self.rope_freq_scale)
 
         # Scatter the new rows; invalid (padding) rows get an out-of-range index and are dropped.
-        idx = jnp.where(valid, positions, S)
+        idx = jnp.where(valid, positions if tree is None else tree.slots, S)
         cache_k = cache_k.at[:, idx, :].set(k.transpose(1, 0, 2), mode="drop")
         cache_v = cache_v.at[:, idx, :].set(v.transpose(1, 0, 2), mode="drop")
 
         qh = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3).reshape(Hkv, G * T, hd)
         scores = jnp.einsum("bmd,bsd->bms", qh, cache_k) * jnp.float32(1.0 / (hd ** 0.5))
+        if tree is not None:
+            src = view_sources(tree.anc, positions[0] - tree.depth[0], S)
+            scores = view_scores(scores, src)
         mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= positions[:, None]  # [T, S]
         mask = jnp.broadcast_to(mask[None], (G, T, S)).reshape(1, G * T, S)
         scores = jnp.where(mask, scores, -jnp.inf)
         p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
         p = p / jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("bms,bsd->bmd", p, cache_v)  # [Hkv, G*T, hd]
+        if tree is None:
+            o = jnp.einsum("bms,bsd->bmd", p, cache_v)  # [Hkv, G*T, hd]
+        else:
+            o = view_values(p, cache_v, src)
         o = o.reshape(Hkv, G, T, hd).transpose(2, 0, 1, 3).reshape(T, Hq, hd)
         o = o * jax.nn.sigmoid(gate)
         return self.w_o(o.reshape(T, Hq * hd)), cache_k, cache_v

@@ -171,23 +171,46 @@ class GatedDeltaNet(nnx.Module):
         o = rms_norm(o, self.norm[...], self.eps) * jax.nn.silu(z)
         return self.w_out(o.reshape(o.shape[0], -1))
 
-    def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array):
+    def _token(self, conv, S, qkv_t, beta_t, g_t):
+        """One token of the recurrent form: (conv, ssm) state before it -> (conv, ssm, o [Hv, dv])."""
+        window = jnp.concatenate([conv, qkv_t[None]], axis=0)
+        y = jax.nn.silu(self._conv_row(window))
+        q, k, v = self._split_heads(y)
+        S, o = delta_rule_step(S, q, k, v, beta_t, g_t, self.scale)
+        return window[1:], S, o
+
+    def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array, parent: jax.Array | None = None):
         """Token-by-token form. x [T, D] -> (out [T, D], conv snapshots [T, Kc-1, C], ssm snapshots
-        [T, Hv, dv, dk]); snapshot t is the state right after token t."""
+        [T, Hv, dv, dk]); snapshot t is the state right after token t. parent [T] (draft-tree rows,
+        parent[t] < t): row t starts from snapshot parent[t] (-1: the given state) instead of row t-1's."""
         qkv, z, beta, g = self._project(x)
-        scale = self.scale
+        if parent is not None:
+            return self._recurrent_tree(qkv, z, beta, g, conv_state, ssm_state, parent)
 
         def body(carry, xs):
-            conv, S = carry
-            qkv_t, beta_t, g_t = xs
-            window = jnp.concatenate([conv, qkv_t[None]], axis=0)
-            y = jax.nn.silu(self._conv_row(window))
-            q, k, v = self._split_heads(y)
-            S, o = delta_rule_step(S, q, k, v, beta_t, g_t, scale)
-            conv = window[1:]
+            conv, S, o = self._token(*carry, *xs)
             return (conv, S), (o, conv, S)
 
         _, (o, conv_snaps, ssm_snaps) = jax.lax.scan(body, (conv_state, ssm_state), (qkv, beta, g))
+        return self._finish(o, z), conv_snaps, ssm_snaps
+
+    def _recurrent_tree(self, qkv, z, beta, g, conv_state, ssm_state, parent):
+        T = qkv.shape[0]
+
+        def body(snaps, xs):
+            t, p, qkv_t, beta_t, g_t = xs
+            conv_snaps, ssm_snaps = snaps
+            i = jnp.maximum(p, 0)
+            conv = jnp.where(p < 0, conv_state, jax.lax.dynamic_index_in_dim(conv_snaps, i, keepdims=False))
+            S = jnp.where(p < 0, ssm_state, jax.lax.dynamic_index_in_dim(ssm_snaps, i, keepdims=False))
+            conv, S, o = self._token(conv, S, qkv_t, beta_t, g_t)
+            snaps = (jax.lax.dynamic_update_index_in_dim(conv_snaps, conv, t, 0),
+                     jax.lax.dynamic_update_index_in_dim(ssm_snaps, S, t, 0))
+            return snaps, o
+
+        init = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype), jnp.zeros((T,) + ssm_state.shape, ssm_state.dtype))
+        rows = jnp.arange(T, dtype=jnp.int32)
+        (conv_snaps, ssm_snaps), o = jax.lax.scan(body, init, (rows, parent, qkv, beta, g))
         return self._finish(o, z), conv_snaps, ssm_snaps
 
     def chunked(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,

@@ -26,6 +26,7 @@ from flax import nnx
 from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.model.cache import AttnCache
 from sharpi_jax.model.layers import Linear, RMSNorm
+from sharpi_jax.model.tree import TreeRows
 from sharpi_jax.model.transformer import Block, TokenEmbedding
 
 
@@ -47,16 +48,17 @@ class MTPHead(nnx.Module):
         self.lm_head = Linear(D, c.n_vocab)
 
     def __call__(self, tokens: jax.Array, h: jax.Array, start: jax.Array, n_valid: jax.Array,
-                 cache: AttnCache) -> tuple[jax.Array, AttnCache]:
+                 cache: AttnCache, tree: TreeRows | None = None) -> tuple[jax.Array, AttnCache]:
         """Rows (tokens [T], h [T, D]) at positions start.. (rows >= n_valid are padding: no KV write,
         zero-weight experts), over the head's own KV cache. Returns (h' [T, D] post shared_head_norm,
-        cache)."""
+        cache). tree: draft-tree rows at positions start + tree.depth (`sharpi_jax.model.tree`)."""
         T = tokens.shape[0]
         rows = jnp.arange(T, dtype=jnp.int32)
-        positions = start + rows
+        positions = start + (rows if tree is None else tree.depth)
         valid = rows < n_valid
         c = jnp.concatenate([self.enorm(self.embed(tokens)), self.hnorm(h)], axis=-1)
-        y, cache, _ = self.block(self.eh_proj(c), cache, positions, valid)
+        mode = "chunked" if tree is None else "recurrent"  # the MTP block is attention: the mode is moot
+        y, cache, _ = self.block(self.eh_proj(c), cache, positions, valid, mode, tree)
         return self.shared_head_norm(y), cache
 
     def logits(self, h: jax.Array) -> jax.Array:

@@ -27,6 +27,7 @@ from sharpi_jax.model.cache import AttnCache, GDNCache, LayerCache
 from sharpi_jax.model.gated_delta_net import GatedDeltaNet
 from sharpi_jax.model.layers import Linear, RMSNorm, SwiGLU
 from sharpi_jax.model.moe import MoE
+from sharpi_jax.model.tree import TreeRows
 from sharpi_jax.quant import QTensor
 
 # How a block runs its GDN mixer: "chunked" (prefill: the chunked WY form, state after the last valid
@@ -65,23 +66,27 @@ class Block(nnx.Module):
         self.ffn = MoE(c, experts) if c.is_moe else SwiGLU(c.d_model, c.dense_ff)
 
     def __call__(self, x: jax.Array, cache: LayerCache, positions: jax.Array, valid: jax.Array,
-                 mode: str = "chunked") -> tuple[jax.Array, LayerCache, GDNCache | None]:
+                 mode: str = "chunked", tree: TreeRows | None = None) -> tuple[jax.Array, LayerCache, GDNCache | None]:
         """Rows x [T, D] at `positions` [T] int32; rows with valid [T] False are bucket padding (no KV
         write, no state change, zero-weight experts). Returns (x' [T, D], the block's new cache, the
-        per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES."""
+        per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES. tree (mode "recurrent"):
+        draft-tree rows, each on its own root path (`sharpi_jax.model.tree`)."""
         a = self.attn_norm(x)
-        m, cache, snapshot = self._mix(a, cache, positions, valid, mode)
+        m, cache, snapshot = self._mix(a, cache, positions, valid, mode, tree)
         h = x + m
         return h + self.feed_forward(h, valid), cache, snapshot
 
-    def _mix(self, a, cache, positions, valid, mode):
+    def _mix(self, a, cache, positions, valid, mode, tree=None):
         if mode not in BLOCK_MODES:
             raise ValueError(f"mode must be one of {BLOCK_MODES}, got {mode!r}")
+        if tree is not None and mode != "recurrent":
+            raise ValueError("draft-tree rows need mode 'recurrent'")
         if not self.is_recurrent:
-            m, k, v = self.mixer(a, positions, valid, cache.k, cache.v)
+            m, k, v = self.mixer(a, positions, valid, cache.k, cache.v, tree)
             return m, AttnCache(k, v), None
         if mode == "recurrent":
-            m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm)
+            parent = None if tree is None else tree.parent
+            m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm, parent)
             return m, cache, GDNCache(conv_snaps, ssm_snaps)
         n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
         form = self.mixer.chunked if mode == "chunked" else self.mixer.sequential
@@ -107,15 +112,15 @@ class Transformer(nnx.Module):
         self.lm_head = Linear(c.d_model, c.n_vocab)
 
     def _trunk(self, state: tuple[LayerCache, ...], tokens: jax.Array, start: jax.Array, n_valid: jax.Array,
-               mode: str):
+               mode: str, tree: TreeRows | None = None):
         T = tokens.shape[0]
         rows = jnp.arange(T, dtype=jnp.int32)
-        positions = start + rows
+        positions = start + (rows if tree is None else tree.depth)
         valid = rows < n_valid
         x = self.embed(tokens)
         caches, snapshots = [], []
         for blk, cache in zip(self.layers, state, strict=True):
-            x, cache, snapshot = blk(x, cache, positions, valid, mode)
+            x, cache, snapshot = blk(x, cache, positions, valid, mode, tree)
             caches.append(cache)
             snapshots.append(snapshot)
         return self.output_norm(x), tuple(caches), tuple(snapshots)
@@ -125,9 +130,10 @@ class Transformer(nnx.Module):
         hidden, state, _ = self._trunk(state, tokens, start, n_valid, gdn)
         return hidden, state
 
-    def rows(self, state, tokens, start, n_valid):
+    def rows(self, state, tokens, start, n_valid, tree: TreeRows | None = None):
         """T >= 2 rows with the recurrent GDN form. Returns (logits [T, V], hidden [T, D], state with the
         KV rows written and the GDN state unchanged, snapshots: per layer, a GDNCache of per-row states
-        [T, ...] for a GDN layer, None for an attention layer)."""
-        hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent")
+        [T, ...] for a GDN layer, None for an attention layer). tree: draft-tree rows at positions
+        start + tree.depth (`sharpi_jax.model.tree`); None: a chain at start, start + 1, ..."""
+        hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent", tree)
         return self.lm_head(hidden), hidden, state, snapshots

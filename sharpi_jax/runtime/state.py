@@ -77,3 +77,17 @@ def repeat_as_snapshots(state: DecodeState, n_rows: int) -> Snapshots:
     """Snapshots whose every row is the state itself ("after row 0" of a pass that did not happen)."""
     rep = lambda a: jnp.broadcast_to(a[None], (n_rows,) + a.shape)  # noqa: E731
     return tuple(GDNCache(rep(c.conv), rep(c.ssm)) if isinstance(c, GDNCache) else None for c in state)
+
+
+def move_kv_rows(state: DecodeState, src: jax.Array, dst0: jax.Array, n: jax.Array) -> DecodeState:
+    """Every attention layer's KV rows src[i] -> dst0 + i for i < n (all read before any write): a
+    draft tree's accepted path moved into place. src [W] int32."""
+    i = jnp.arange(src.shape[0], dtype=jnp.int32)
+
+    def move(c: AttnCache) -> AttnCache:
+        S = c.k.shape[1]
+        dst = jnp.where(i < n, dst0 + i, S)
+        s = jnp.clip(src, 0, S - 1)
+        return AttnCache(c.k.at[:, dst, :].set(c.k[:, s, :], mode="drop"), c.v.at[:, dst, :].set(c.v[:, s, :], mode="drop"))
+
+    return tuple(move(c) if isinstance(c, AttnCache) else c for c in state)

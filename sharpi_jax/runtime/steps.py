@@ -30,7 +30,9 @@ from sharpi_jax.config import DEFAULT_PREFILL_BUCKETS, RunConfig  # noqa: F401 (
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
-from sharpi_jax.runtime.state import DecodeState, Snapshots, init_state, repeat_as_snapshots, select_snapshot
+from sharpi_jax.model.tree import TreeRows, tree_arrays
+from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
+                                      select_snapshot)
 
 MAX_PADDING_SHARE = 0.25  # a chunk may round up to a bucket when at most this share of it is padding
 
@@ -97,7 +99,16 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
         logits, hidden, state, snaps, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid)
         return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps, cache
 
+    def tree_commit_verify(params, cache, state, snaps, index, prev_pos, path, n_path, tokens, pos, n_valid,
+                           depth, parent, anc):
+        state = move_kv_rows(commit(state, snaps, index), prev_pos + path, prev_pos, n_path)
+        model = merge(params, cache)
+        tree = TreeRows(depth, parent, pos + jnp.arange(tokens.shape[0], dtype=jnp.int32), pos + anc)
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree)
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps, cache_out(model)
+
     return SimpleNamespace(
+        tree_commit_verify=jax.jit(tree_commit_verify, donate_argnums=(1, 2, 3)),
         prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=("gdn",)),
         head=jax.jit(head),
         decode=jax.jit(decode, donate_argnums=(1, 2)),
@@ -206,4 +217,30 @@ class Runtime:
             snaps, index = repeat_as_snapshots(state, T), 0
         logits, greedy, hidden, state, snaps, self.cache = self._fns.commit_verify(
             self.params, self.cache, state, snaps, np.int32(index), tokens, np.int32(pos), np.int32(n_valid))
+        return logits, greedy, hidden, state, snaps
+
+    def tree_commit_verify(self, state: DecodeState, snaps: Snapshots | None, index: int, prev_pos: int,
+                           path: np.ndarray, n_path: int, tokens, pos: int, n_valid: int, parent: np.ndarray):
+        """The previous tree pass's commit, then one pass over draft-tree rows, in ONE dispatch.
+
+        Commit (skipped when snaps is None): GDN snapshot `index`, and the KV rows of the accepted path
+        (rows path[:n_path] of the pass at prev_pos) moved to prev_pos, prev_pos + 1, .... Pass: row t
+        (parent[t] < t, -1 for the root) at position pos + depth[t], its K/V at slot pos + t; rows >=
+        n_valid are padding. Every valid row's logits, hidden and GDN snapshot are bitwise those of
+        single-token decode steps along its root path. Returns (logits [T, V], argmax [T] int32,
+        hidden [T, D], state, Snapshots (row t = the state after node t))."""
+        T = tokens.shape[0]
+        if not 1 <= n_valid <= T or pos + T > self.max_context:
+            raise InputError(f"tree pass: {n_valid} of {T} rows at position {pos} exceed max_context "
+                             f"{self.max_context}")
+        try:
+            depth, parent, anc = tree_arrays(parent, n_valid, T)
+        except ValueError as e:
+            raise InputError(f"tree pass: {e}") from None
+        if snaps is None:
+            snaps, index, n_path = repeat_as_snapshots(state, T), 0, 0
+        path = np.zeros(T, np.int32) if path is None else np.asarray(path, np.int32)
+        logits, greedy, hidden, state, snaps, self.cache = self._fns.tree_commit_verify(
+            self.params, self.cache, state, snaps, np.int32(index), np.int32(prev_pos), path, np.int32(n_path),
+            tokens, np.int32(pos), np.int32(n_valid), depth, parent, anc)
         return logits, greedy, hidden, state, snaps
