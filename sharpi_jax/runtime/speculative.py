@@ -128,6 +128,7 @@ class MTPRuntime:
         graphdef, state = nnx.split(head)
         leaves, treedef = jax.tree.flatten(state)
         self.params = tuple(leaves)
+        self.graph = (graphdef, treedef)  # for other jitted MTP steps (the tree drafter's)
         self._rows, self._draft, self._logits = _mtp_fns(graphdef, treedef)
 
     def new_cache(self) -> MTPCache:

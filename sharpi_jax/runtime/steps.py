@@ -230,7 +230,7 @@ class Runtime:
         single-token decode steps along its root path. Returns (logits [T, V], argmax [T] int32,
         hidden [T, D], state, Snapshots (row t = the state after node t))."""
         T = tokens.shape[0]
-        if not 1 <= n_valid <= T or pos + T > self.max_context:
+        if not 1 <= n_valid <= T or pos + n_valid > self.max_context:
             raise InputError(f"tree pass: {n_valid} of {T} rows at position {pos} exceed max_context "
                              f"{self.max_context}")
         try:
