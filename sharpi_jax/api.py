@@ -27,8 +27,10 @@ from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
 from sharpi_jax.runtime.steps import Runtime
+from sharpi_jax.runtime.tree import generate_tree
 
-SPECULATIVE_MODES = (None, "mtp")
+SPECULATIVE_MODES = (None, "mtp", "mtp_tree")
+DEFAULT_TREE_NODES = 8
 VERIFY_MODES = ("batched", "sequential")
 
 
@@ -177,7 +179,8 @@ class Engine:
 
     def generate(self, ids_or_text: Any, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
-                 speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched") -> GenerateOutput:
+                 speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
+                 tree_nodes: int | None = None, max_snapshot_bytes: int | None = None) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
 
         speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
@@ -185,6 +188,12 @@ class Engine:
         those of speculative=None (greedy or seeded sampling alike); out.stats adds drafted, accepted,
         acceptance_rate, mean_accept_len, accept_per_position, verify_passes, draft_s, verify_s.
         With an expert budget, out.stats["experts"] is this run's residency cost (`expert_stats`).
+
+        speculative="mtp_tree": a draft TREE of up to `tree_nodes` nodes (default max(8, draft_tokens))
+        and depth `draft_tokens` per trunk pass, always holding the greedy chain, verified in one pass
+        (`sharpi_jax.runtime.tree`); same tokens as speculative=None. max_snapshot_bytes caps the GDN
+        snapshots a pass keeps (one per node, stats["snapshot_bytes_per_node"]) by lowering tree_nodes.
+        out.stats adds tree_nodes, accept_per_depth and snapshot_bytes_per_node.
         """
         if speculative not in SPECULATIVE_MODES:
             raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
@@ -194,6 +203,11 @@ class Engine:
             raise InputError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+        if speculative != "mtp_tree" and (tree_nodes is not None or max_snapshot_bytes is not None):
+            raise InputError("tree_nodes and max_snapshot_bytes apply to speculative='mtp_tree' only")
+        for name, v in (("tree_nodes", tree_nodes), ("max_snapshot_bytes", max_snapshot_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise InputError(f"{name} must be a positive integer, got {v!r}")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
@@ -201,6 +215,10 @@ class Engine:
         if speculative == "mtp":
             tokens, stats = generate_mtp(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
                                          int(draft_tokens), verify)
+        elif speculative == "mtp_tree":
+            nodes = max(DEFAULT_TREE_NODES, int(draft_tokens)) if tree_nodes is None else int(tree_nodes)
+            tokens, stats = generate_tree(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
+                                          int(draft_tokens), nodes, verify, max_snapshot_bytes=max_snapshot_bytes)
         else:
             tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids)
         if self.residency is not None:
