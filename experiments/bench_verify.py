@@ -1,7 +1,13 @@
-"""MTP speculative decoding throughput: MTP off vs sequential verify vs batched verify, k = 1..7.
+"""MTP speculative decoding throughput: MTP off vs sequential verify vs batched verify, k = 1..7, and
+tree speculation (batched, --tree_nodes per k) beside the chain.
 
     python -m experiments.bench_verify [--model=PRESET_OR_GGUF] [--new_tokens=128] [--repeats=3]
-                                       [--ks=1,2,3,4,5,6,7] [--json_out=results/bench_verify.jsonl]
+                                       [--ks=1,2,3,4,5,6,7] [--tree_nodes=8,16] [--json_out=results/bench_verify.jsonl]
+    python -m experiments.bench_verify --model=/work/slice/s35-Q4_K_M.gguf --pass_widths=1,2,4,8,16 --pass_only
+
+--pass_widths: also time one trunk pass of w rows (chain and tree) against one decode step
+(experiments.pass_timing): where a w-row pass costs about one row, speculation pays. --pass_only skips
+the generation runs (for big files).
 
 Default model: the tiny-qwen35moe-F32 fixture when present, else the embedded default model. Prompt:
 the fixture's prompt 0 (llama.cpp token ids) when the model has a references.json beside it, else
@@ -37,6 +43,10 @@ flags.DEFINE_integer("repeats", 5, "Timed rounds, interleaved (median and min/ma
                      lower_bound=1)
 flags.DEFINE_list("ks", ["1", "2", "3", "4", "5", "6", "7"], "Draft lengths k.")
 flags.DEFINE_integer("max_context", 1024, "KV cache positions.")
+flags.DEFINE_list("tree_nodes", ["8"], "Tree speculation rows: draft nodes per pass, each with every k <= it "
+                  "(batched verify; empty: no tree rows).")
+flags.DEFINE_list("pass_widths", [], "Rows w of the single-pass timing (chain and tree pass vs one decode step).")
+flags.DEFINE_bool("pass_only", False, "Only the single-pass timing (--pass_widths), no generation runs.")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
                     "(optional).")
@@ -89,18 +99,34 @@ def main(argv) -> int:
     try:
         path = Path(_resolve(FLAGS.model or FLAGS.gguf))
         engine = sj.load(path, max_context=FLAGS.max_context)
-        if not engine.config.has_mtp:
-            raise sj.InputError(f"{path} has no MTP head")
         ks = [int(k) for k in FLAGS.ks]
+        nodes = [int(x) for x in FLAGS.tree_nodes]
+        widths = [int(w) for w in FLAGS.pass_widths]
+        if FLAGS.pass_only and not widths:
+            raise sj.InputError("--pass_only needs --pass_widths")
+        if not engine.config.has_mtp and not FLAGS.pass_only:
+            raise sj.InputError(f"{path} has no MTP head")
     except (SharpiError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ids, prompt_desc, prompt_text = _prompt(engine, path)
+    records = []
+    if widths:
+        from experiments.pass_timing import pass_timing, print_pass_timing
+
+        timing = pass_timing(engine, ids, widths, FLAGS.repeats)
+        print_pass_timing(timing, f"{path.name}, {len(ids)}-token context, {FLAGS.repeats} calls each")
+        records += [{"model": path.stem, "pass_timing": True, **r} for r in timing]
+    if FLAGS.pass_only:
+        _write(records, 0)
+        return 0
     n = FLAGS.new_tokens
     print(f"model {path.name} ({engine.config.arch}), prompt: {prompt_desc} ({len(ids)} tokens), "
           f"{n} new tokens, greedy; warm-up, then median [min-max] of {FLAGS.repeats} interleaved rounds", flush=True)
 
     configs = [{}] + [dict(speculative="mtp", draft_tokens=k, verify=v) for k in ks for v in ("sequential", "batched")]
+    trees = [(k, m) for k in ks for m in nodes if m >= k]
+    configs += [dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m, verify="batched") for k, m in trees]
 
     def run(kw):
         return engine.generate(ids, max_new_tokens=n, stop_on_eos=False, **kw)
@@ -116,7 +142,7 @@ def main(argv) -> int:
     tok_s = [[o.stats["decode_tok_s"] for o in outs] for outs in results]
     med = [spread(t)["median"] for t in tok_s]
     base, off = results[0][0], med[0]
-    records = [put_spread({"model": path.stem, "speculative": None, "draft_tokens": 0, "verify": None,
+    records += [put_spread({"model": path.stem, "speculative": None, "draft_tokens": 0, "verify": None,
                            "generated_tokens": len(base.tokens), "repeats": FLAGS.repeats}, "decode_tok_s", tok_s[0])]
     rows = []
     for j, k in enumerate(ks):
@@ -150,6 +176,8 @@ def main(argv) -> int:
               f"{rec['verify_s']:>8.3f}  {'yes' if seq_same and bat_same else 'NO'}")
     print("tok/s: median of the rounds; ratios of medians; accept: accepted / drafted; tok/pass: mean accepted "
           "drafts + 1 per trunk pass; draft_s / verify_s: MTP vs trunk seconds of the batched run (median).")
+    if trees:
+        _tree_rows(path, trees, ks, results, tok_s, med, records)
     lc_off, lc_mtp = _llama_cpp(path, ids, prompt_text, ks, n)
     if lc_off is not None or lc_mtp:
         _print_llama_cpp(off, rows, lc_off, lc_mtp)
@@ -157,6 +185,11 @@ def main(argv) -> int:
         records.append({"model": path.stem, "llama_cpp": lc})
     else:
         print("llama.cpp: not available (install llama-cpp-python, or pass --llama_bin=DIR for MTP)")
+    _write(records, n)
+    return 0 if all(r.get("same_tokens_as_off", True) for r in records) else 1
+
+
+def _write(records: list[dict], n: int) -> None:
     if FLAGS.json_out:
         out_path = Path(FLAGS.json_out)
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +197,33 @@ def main(argv) -> int:
             for r in records:
                 f.write(json.dumps({"bench": "verify", "new_tokens": n, **r}) + "\n")
         print(f"wrote {len(records)} records to {out_path}")
-    return 0 if all(r.get("same_tokens_as_off", True) for r in records) else 1
+
+
+def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
+    """Tree rows beside the chain's batched row of the same k (records appended)."""
+    off, base = med[0], results[0][0]
+    first = 1 + 2 * len(ks)
+    print(f"\n{'k':>2} {'nodes':>5} {'tree tok/s [min-max]':>23} {'tree/chain':>10} {'tree/off':>8} "
+          f"{'tok/pass':>8} {'chain tok/pass':>14} {'draft_s':>8} {'verify_s':>8}  same tokens")
+    for j, (k, m) in enumerate(trees):
+        i = first + j
+        outs, s = results[i], results[i][0].stats
+        chain_i = 1 + 2 * ks.index(k) + 1
+        chain = results[chain_i][0].stats
+        same = all(o.tokens == base.tokens for o in outs)
+        rec = {"model": path.stem, "speculative": "mtp_tree", "draft_tokens": k, "tree_nodes": m, "verify": "batched",
+               "same_tokens_as_off": same, "repeats": FLAGS.repeats, "chain_mean_accept_len": chain["mean_accept_len"],
+               **{key: s[key] for key in ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted",
+                                          "accepted", "verify_passes", "generated_tokens", "snapshot_bytes_per_node")}}
+        put_spread(rec, "decode_tok_s", tok_s[i])
+        for key in ("draft_s", "verify_s"):
+            put_spread(rec, key, [o.stats[key] for o in outs], runs=False)
+        records.append(rec)
+        print(f"{k:>2} {m:>5} {fmt_spread(tok_s[i], 23)} {med[i] / med[chain_i]:>10.2f} {med[i] / off:>8.2f} "
+              f"{s['mean_accept_len']:>8.2f} {chain['mean_accept_len']:>14.2f} {rec['draft_s']:>8.3f} "
+              f"{rec['verify_s']:>8.3f}  {'yes' if same else 'NO'}")
+    print("tree rows: batched tree verify with `nodes` draft nodes of depth <= k; tree/chain: over the chain's "
+          "batched verify at the same k; tok/pass: accepted + 1 per trunk pass.")
 
 
 def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> None:

@@ -2,6 +2,7 @@
 
     python -m experiments.generate --gguf=PATH --prompt="def fib(n):" --max_new_tokens=64 [--json]
     python -m experiments.generate --speculative=mtp --draft_tokens=3 --max_new_tokens=48 --compare
+    python -m experiments.generate --speculative=mtp_tree --draft_tokens=4 --tree_nodes=12 --compare
 
 With no --gguf it runs the embedded default model. --json prints one JSON object {tokens, text, stats};
 otherwise the text, then a stats line on stderr.
@@ -33,10 +34,14 @@ flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p x the top probability 
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("max_context", 4096, "KV cache positions (prompt + generated).")
 flags.DEFINE_bool("stop_on_eos", True, "Stop at an end-of-generation token.")
-flags.DEFINE_enum("speculative", None, ["mtp"], "Speculative decoding: mtp = the model's MTP head drafts.")
+flags.DEFINE_enum("speculative", None, ["mtp", "mtp_tree"], "Speculative decoding: mtp = the model's MTP head "
+                  "drafts a chain; mtp_tree = it drafts a tree (--tree_nodes nodes, depth --draft_tokens).")
 flags.DEFINE_integer("draft_tokens", 3, "MTP draft length k (tokens drafted per trunk pass).")
 flags.DEFINE_enum("verify", "batched", ["batched", "sequential"],
                   "MTP verify: one trunk pass over the k+1 rows, or one single-token step per row.")
+flags.DEFINE_integer("tree_nodes", None, "mtp_tree: draft nodes per trunk pass (default max(8, draft_tokens)).")
+flags.DEFINE_integer("max_snapshot_bytes", None, "mtp_tree: cap on the GDN snapshot bytes a pass keeps (one "
+                     "snapshot per node; lowers tree_nodes).")
 flags.DEFINE_string("expert_budget", None, "Device bytes for routed experts: '8GiB', '512MiB', bytes, or a share "
                     "of all routed-expert bytes like '25%' (default: every expert resident).")
 flags.DEFINE_enum("expert_policy", "frequency", ["static", "frequency", "lru", "slru"],
@@ -54,7 +59,7 @@ def main(argv) -> int:
     logging.set_verbosity(logging.WARNING)
     import sharpi_jax as sj
 
-    if FLAGS.compare and FLAGS.speculative != "mtp":
+    if FLAGS.compare and FLAGS.speculative is None:
         print("error: --compare times MTP off against MTP: add --speculative=mtp", file=sys.stderr)
         return 2
     compare = None
@@ -65,6 +70,10 @@ def main(argv) -> int:
         sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
                         seed=FLAGS.seed, stop_on_eos=FLAGS.stop_on_eos)
         spec = dict(speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
+        if FLAGS.speculative == "mtp_tree":
+            spec.update(tree_nodes=FLAGS.tree_nodes, max_snapshot_bytes=FLAGS.max_snapshot_bytes)
+        elif FLAGS.tree_nodes is not None or FLAGS.max_snapshot_bytes is not None:
+            raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree")
         if FLAGS.compare:
             out, compare = _compare(engine, sampling, spec)
         else:
@@ -89,6 +98,11 @@ def main(argv) -> int:
             print(f"[MTP k={s['draft_tokens']} ({s['verify']} verify): {s['accepted']}/{s['drafted']} drafts accepted "
                   f"({s['acceptance_rate']:.1%}), {s['mean_accept_len']:.2f} tokens per trunk pass, "
                   f"per position {', '.join(f'{x:.2f}' for x in s['accept_per_position'])}]", file=sys.stderr)
+        if s.get("speculative") == "mtp_tree":
+            print(f"[MTP tree depth {s['draft_tokens']}, {s['tree_nodes']} nodes ({s['verify']} verify): "
+                  f"{s['accepted']}/{s['drafted']} nodes accepted, {s['mean_accept_len']:.2f} tokens per trunk pass, "
+                  f"per depth {', '.join(f'{x:.2f}' for x in s['accept_per_depth'])}; "
+                  f"{s['snapshot_bytes_per_node']} snapshot bytes per node]", file=sys.stderr)
         if "experts" in s:
             e = s["experts"]
             print(f"[experts ({e['policy']}, {e['resident_fraction']:.0%} resident, budget "
@@ -97,7 +111,7 @@ def main(argv) -> int:
                   f"{e['experts_host_computed']} expert uses computed on the host]", file=sys.stderr)
         if compare:
             print(_compare_line(compare), file=sys.stderr)
-        elif s.get("speculative") == "mtp":
+        elif s.get("speculative") in ("mtp", "mtp_tree"):
             print("[whether MTP pays is not measured here: add --compare to time MTP off vs MTP, warm, in this run]",
                   file=sys.stderr)
     return 0

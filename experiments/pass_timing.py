@@ -1,0 +1,81 @@
+"""The number that decides whether (tree) speculation pays on a model: the time of one trunk pass of w rows
+over the time of one single-token decode step, chain (w consecutive rows) and tree (w rows of a binary
+tree, parent[t] = (t - 1) // 2), w = 1..16. Where a w-row pass costs about one decode step, drafting w
+tokens per pass multiplies the decode speed by the accepted length. Used by `bench_verify --pass_widths`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from experiments.timing import put_spread, spread
+
+
+def _timed(fn, state, repeats: int):
+    """Warm once, then `repeats` timed calls of fn(state) -> state (the state is donated)."""
+    state = fn(state)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = fn(state)
+        jax.block_until_ready(state)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times, state
+
+
+def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int) -> list[dict]:
+    """One record per width w: decode_ms, chain_ms, tree_ms (median/min/max/runs of `repeats` calls at the
+    prompt's end) and the ratios to decode_ms. w = 1 is the decode step itself."""
+    rt = engine.runtime
+    _, _, state = rt.prefill(rt.new_state(), ids)
+    P = len(ids)
+    if P + max(widths) > rt.max_context:
+        raise ValueError(f"prompt ({P}) + the widest pass ({max(widths)}) exceed max_context = {rt.max_context}")
+    tok = int(ids[-1])
+
+    def decode(s):
+        return rt.decode_step(s, tok, P)[2]
+
+    dec, state = _timed(decode, state, repeats)
+    out = []
+    for w in widths:
+        rec = {"rows": w}
+        put_spread(rec, "decode_ms", dec)
+        if w == 1:
+            chain = tree = dec
+        else:
+            tokens = np.full(w, tok, np.int32)
+            parent = np.array([-1] + [(t - 1) // 2 for t in range(1, w)], np.int32)
+
+            def chain_pass(s):
+                return rt.verify_step(s, tokens, P)[2]
+
+            def tree_pass(s):
+                return rt.tree_commit_verify(s, None, 0, 0, None, 0, tokens, P, w, parent)[3]
+
+            chain, state = _timed(chain_pass, state, repeats)
+            tree, state = _timed(tree_pass, state, repeats)
+        put_spread(rec, "chain_ms", chain)
+        put_spread(rec, "tree_ms", tree)
+        d = spread(dec)["median"]
+        rec["chain_over_decode"] = rec["chain_ms"] / d
+        rec["tree_over_decode"] = rec["tree_ms"] / d
+        out.append(rec)
+    return out
+
+
+def print_pass_timing(records: list[dict], what: str) -> None:
+    print(f"\none trunk pass of w rows vs one decode step ({what}; median [min-max] ms)")
+    hdr = f"{'w':>3} {'decode ms':>10} {'chain ms':>22} {'chain/dec':>9} {'tree ms':>22} {'tree/dec':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in records:
+        chain = f"{r['chain_ms']:.2f} [{r['chain_ms_min']:.2f}-{r['chain_ms_max']:.2f}]"
+        tree = f"{r['tree_ms']:.2f} [{r['tree_ms_min']:.2f}-{r['tree_ms_max']:.2f}]"
+        print(f"{r['rows']:>3} {r['decode_ms']:>10.2f} {chain:>22} {r['chain_over_decode']:>9.2f} {tree:>22} "
+              f"{r['tree_over_decode']:>8.2f}")
+    print("a pass of w rows costing about one decode step (ratio ~1) is where speculation pays.")
