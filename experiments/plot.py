@@ -6,6 +6,9 @@ Figures (each drawn when its records are present):
 - tok_s_vs_k.png: decode tokens/s vs draft tokens k, one line per verify mode; MTP-off as a dashed line.
   Error bars (and a grey band around MTP off): min-max over the sweep's warm interleaved rounds.
 - acceptance_per_position.png: fraction of drafts accepted at each draft position, one group per k.
+- tree_vs_nodes.png: tree speculation (speculative = "mtp_tree"): mean accepted length (tokens per trunk
+  pass) and decode tokens/s vs tree_nodes, one line per depth; the chain at the same depth as a cross
+  at tree_nodes = depth, MTP off as a dashed line.
 - expert_reads_vs_batch.png: expert weight bytes read per token vs batch width N, per-token vs grouped.
 - hit_rate_vs_budget.png: expert residency hit rate vs expert budget, one line per placement policy
   (error bars where the hit rate varied between rounds: lru / slru).
@@ -155,6 +158,10 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
         ax.legend(fontsize=7)
         save(fig, "acceptance_per_position.png")
 
+    tree = [r for r in records if r.get("speculative") == "mtp_tree"]
+    if tree:
+        save(_tree_figure(plt, records, tree), "tree_vs_nodes.png")
+
     moe = [r for r in records if "per_token_bytes_per_token" in r and "N" in r]
     if moe:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -182,6 +189,32 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
         _spread_note(ax, res)
         save(fig, "hit_rate_vs_budget.png")
     return figs
+
+
+def _tree_figure(plt, records, tree):
+    """Accepted length and tok/s vs tree_nodes per depth, chain crosses, MTP off line (see the module doc)."""
+    fig, (ax_len, ax_tok) = plt.subplots(1, 2, figsize=(10, 4))
+    chain = [r for r in records if r.get("speculative") == "mtp" and r.get("verify", "batched") == "batched"]
+    for ax, key in ((ax_len, "mean_accept_len"), (ax_tok, "decode_tok_s")):
+        for (model, k), pts in sorted(spread_series(tree, "tree_nodes", key, ["model", "draft_tokens"]).items(),
+                                      key=str):
+            line = _errorbar(ax, pts, label=f"{model} tree depth {k}")
+            for (cm, ck), cpts in spread_series(chain, "draft_tokens", key, ["model", "draft_tokens"]).items():
+                if (cm, ck) == (model, k):
+                    ax.plot([k], [cpts[0][1]], marker="x", markersize=9, color=line.lines[0].get_color(),
+                            linestyle="none", label=f"{model} chain k={k}")
+        ax.set_xlabel("tree nodes (drafts per trunk pass)")
+    off = [r for r in records if "speculative" in r and r["speculative"] is None]
+    for (model,), pts in spread_series(off, "model", "decode_tok_s", ["model"]).items():
+        ax_tok.axhline(pts[0][1], linestyle="--", color="gray", label=f"{model} MTP off")
+    ax_len.set_ylabel("mean accepted length (tokens per trunk pass)")
+    ax_tok.set_ylabel("decode tokens/s")
+    ax_len.set_title("Tree speculation: accepted length")
+    ax_tok.set_title("Tree speculation: throughput")
+    ax_len.legend(fontsize=6)
+    ax_tok.legend(fontsize=6)
+    _spread_note(ax_tok, tree)
+    return fig
 
 
 def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:

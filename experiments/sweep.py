@@ -49,7 +49,8 @@ flags.DEFINE_integer("repeats", None, "Timed rounds per cell, interleaved (defau
 LOAD_OPTIONS = frozenset({"max_context", "expert_budget", "expert_budget_frac", "expert_policy", "expert_mode",
                           "prefill_buckets", "row_kernel", "gdn_chunk"})
 # Options that only matter with speculation: collapsed for speculative = None.
-SPECULATIVE_ONLY = ("draft_tokens", "verify")
+SPECULATIVE_ONLY = ("draft_tokens", "verify", "tree_nodes", "max_snapshot_bytes")
+TREE_ONLY = ("tree_nodes", "max_snapshot_bytes")  # collapsed for speculative = "mtp" (the chain)
 DEFAULT_REPEATS = 3
 
 PYTHON_PROMPTS = [
@@ -95,6 +96,11 @@ def grid_points(grid: dict[str, list]) -> Iterator[dict[str, Any]]:
         if point.get("speculative", "unset") is None:
             for k in SPECULATIVE_ONLY:
                 point.pop(k, None)
+        if point.get("speculative") == "mtp":
+            for k in TREE_ONLY:
+                point.pop(k, None)
+        if point.get("speculative") == "mtp_tree" and point.get("tree_nodes", 8) < point.get("draft_tokens", 3):
+            continue  # a tree smaller than its depth: not a valid point
         key = json.dumps(point, sort_keys=True)
         if key not in seen:
             seen.add(key)

@@ -51,8 +51,11 @@ COMMANDS = {
         "--sample_tokens=4", f"--out_dir={t / 'train'}"]),
     "test_readme_main_command_compares_mtp_off_and_on": ("generate", lambda t: readme_main_command()),
     "test_bench_verify": ("bench_verify", lambda t: [
-        "--model=default", "--ks=1", "--repeats=2", "--new_tokens=8", "--max_context=64",
-        f"--json_out={t / 'verify.jsonl'}"]),
+        "--model=default", "--ks=1", "--repeats=2", "--new_tokens=8", "--max_context=64", "--tree_nodes=2",
+        "--pass_widths=1,2", f"--json_out={t / 'verify.jsonl'}"]),
+    "test_generate_tree": ("generate", lambda t: [
+        "--speculative=mtp_tree", "--draft_tokens=2", "--tree_nodes=4", "--max_new_tokens=8", "--max_context=64",
+        "--json"]),
     "test_bench_residency": ("bench_residency", lambda t: [
         "--model=default", "--budgets=0.5", "--policies=static", "--repeats=2", "--nobaseline", "--prompt_tokens=8",
         "--decode_tokens=3", "--max_context=32", "--prefill_buckets=8", "--threshold", "--threshold_rows=2",
@@ -171,11 +174,29 @@ def test_bench_verify(runs, request):
     tmp, res = result(runs, request)
     assert "round 2/2" in ok(res).stdout and "MTP off:" in res.stdout
     recs = jsonl(tmp / "verify.jsonl")
-    assert [(r["draft_tokens"], r["verify"]) for r in recs] == [(0, None), (1, "sequential"), (1, "batched")]
+    passes, recs = recs[:2], recs[2:]
+    assert [r["rows"] for r in passes] == [1, 2] and "one trunk pass of w rows" in res.stdout
+    for r in passes:
+        for key in ("decode_ms", "chain_ms", "tree_ms"):
+            _check_spread(r, key, rounds=2)
+    assert [(r["draft_tokens"], r["verify"]) for r in recs] == [(0, None), (1, "sequential"), (1, "batched"),
+                                                                (1, "batched")]
     for r in recs:
         _check_spread(r, "decode_tok_s", rounds=2)
         assert r.get("same_tokens_as_off", True) is True
-    assert all(0 <= r["acceptance_rate"] <= 1 and len(r["accept_per_position"]) == 1 for r in recs[1:])
+    assert all(0 <= r["acceptance_rate"] <= 1 and len(r["accept_per_position"]) == 1 for r in recs[1:3])
+    tree = recs[3]
+    assert tree["speculative"] == "mtp_tree" and tree["tree_nodes"] == 2 and len(tree["accept_per_depth"]) == 1
+    assert "tree/chain" in res.stdout
+
+
+def test_generate_tree(runs, request):
+    _, res = result(runs, request)
+    d = json.loads(ok(res).stdout)
+    s = d["stats"]
+    assert len(d["tokens"]) == s["generated_tokens"] <= 8
+    assert s["speculative"] == "mtp_tree" and s["draft_tokens"] == 2 and s["tree_nodes"] == 4
+    assert s["verify_passes"] >= 1 and len(s["accept_per_depth"]) == 2 and s["snapshot_bytes_per_node"] > 0
 
 
 def test_bench_moe(runs, request):

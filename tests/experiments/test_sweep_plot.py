@@ -88,6 +88,27 @@ def test_plot_without_spread_fields_still_draws(tmp_path):
         plt.close(fig)
 
 
+def test_tree_figure_and_grid(tmp_path):
+    """mtp_tree records draw tree_vs_nodes.png (a line per depth, the chain as a cross); tree grids drop
+    trees smaller than their depth and tree options of the chain."""
+    records = [{"model": "m", "speculative": None, "decode_tok_s": 100.0},
+               {"model": "m", "speculative": "mtp", "draft_tokens": 2, "verify": "batched", "decode_tok_s": 90.0,
+                "mean_accept_len": 1.5}]
+    records += [{"model": "m", "speculative": "mtp_tree", "draft_tokens": 2, "tree_nodes": n, "verify": "batched",
+                 "decode_tok_s": 80.0 + n, "mean_accept_len": 1.5 + n / 10} for n in (4, 8)]
+    import matplotlib.pyplot as plt
+
+    figs = plot.figures(records)
+    ax_len, _ = figs["tree_vs_nodes.png"].axes
+    ys = sorted({round(float(y), 6) for line in ax_len.lines for y in line.get_ydata()})
+    assert ys == [1.5, 1.9, 2.3]  # the chain's cross and the two tree points
+    for fig in figs.values():
+        plt.close(fig)
+    pts = list(sweep.grid_points({"speculative": ["mtp", "mtp_tree"], "draft_tokens": [3], "tree_nodes": [2, 8]}))
+    assert pts == [{"draft_tokens": 3, "speculative": "mtp"},
+                   {"draft_tokens": 3, "speculative": "mtp_tree", "tree_nodes": 8}]
+
+
 def test_grid_points_collapse_ignored_options():
     pts = list(sweep.grid_points({"speculative": [None, "mtp"], "draft_tokens": [1, 3]}))
     assert pts == [{"speculative": None}, {"draft_tokens": 1, "speculative": "mtp"},
