@@ -208,7 +208,8 @@ class GatedDeltaNet(nnx.Module):
                      jax.lax.dynamic_update_index_in_dim(ssm_snaps, S, t, 0))
             return snaps, o
 
-        init = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype), jnp.zeros((T,) + ssm_state.shape, ssm_state.dtype))
+        init = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype),
+                jnp.zeros((T,) + ssm_state.shape, ssm_state.dtype))
         rows = jnp.arange(T, dtype=jnp.int32)
         (conv_snaps, ssm_snaps), o = jax.lax.scan(body, init, (rows, parent, qkv, beta, g))
         return self._finish(o, z), conv_snaps, ssm_snaps

@@ -66,7 +66,8 @@ class Block(nnx.Module):
         self.ffn = MoE(c, experts) if c.is_moe else SwiGLU(c.d_model, c.dense_ff)
 
     def __call__(self, x: jax.Array, cache: LayerCache, positions: jax.Array, valid: jax.Array,
-                 mode: str = "chunked", tree: TreeRows | None = None) -> tuple[jax.Array, LayerCache, GDNCache | None]:
+                 mode: str = "chunked",
+                 tree: TreeRows | None = None) -> tuple[jax.Array, LayerCache, GDNCache | None]:
         """Rows x [T, D] at `positions` [T] int32; rows with valid [T] False are bucket padding (no KV
         write, no state change, zero-weight experts). Returns (x' [T, D], the block's new cache, the
         per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES. tree (mode "recurrent"):

@@ -88,6 +88,7 @@ def move_kv_rows(state: DecodeState, src: jax.Array, dst0: jax.Array, n: jax.Arr
         S = c.k.shape[1]
         dst = jnp.where(i < n, dst0 + i, S)
         s = jnp.clip(src, 0, S - 1)
-        return AttnCache(c.k.at[:, dst, :].set(c.k[:, s, :], mode="drop"), c.v.at[:, dst, :].set(c.v[:, s, :], mode="drop"))
+        return AttnCache(c.k.at[:, dst, :].set(c.k[:, s, :], mode="drop"),
+                         c.v.at[:, dst, :].set(c.v[:, s, :], mode="drop"))
 
     return tuple(move(c) if isinstance(c, AttnCache) else c for c in state)

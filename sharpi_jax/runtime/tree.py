@@ -205,11 +205,12 @@ class TreeDecoder:
         path, nxt = self._accept(tree, target)
         if self.trace is not None:
             gdn = [out[i][2] for i in path]
+            per_layer = range(len(gdn[0]))
             self.trace.append(dict(tokens=tree.tokens, parent=tree.parent, depth=tree.depth, chain=tree.chain,
                                    rows=np.array(path), logits=np.stack([np.asarray(out[i][0]) for i in path]),
                                    hidden=np.stack([np.asarray(out[i][1]) for i in path]),
-                                   conv=tuple(np.stack([np.asarray(g[j].conv) for g in gdn]) for j in range(len(gdn[0]))),
-                                   ssm=tuple(np.stack([np.asarray(g[j].ssm) for g in gdn]) for j in range(len(gdn[0]))),
+                                   conv=tuple(np.stack([np.asarray(g[j].conv) for g in gdn]) for j in per_layer),
+                                   ssm=tuple(np.stack([np.asarray(g[j].ssm) for g in gdn]) for j in per_layer),
                                    path=path, accepted=len(path) - 1))
         return path, nxt, _stack_rows(tuple(out[i][1] for i in path), self.k + 1)
 

@@ -136,10 +136,14 @@ def test_tree_greedy_equals_plain_and_beats_chain(name, variant):
         print(f"{name}-{variant} prompt {i}: tree(k={k}, nodes={nodes}) {st['mean_accept_len']:.2f} vs chain "
               f"{chain['mean_accept_len']:.2f} tokens/pass")
         assert st["mean_accept_len"] >= chain["mean_accept_len"]
+        if i == 0:  # tree_nodes = depth: the tree is the chain drafter's chain, pass for pass
+            _, same = generate_tree(e.runtime, e.mtp, prompt, n, GREEDY, (), k, k)
+            assert (same["accepted"], same["verify_passes"]) == (chain["accepted"], chain["verify_passes"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,variant", [("tiny-qwen35moe", "F32"), ("tiny-qwen35", "Q8_0"), ("tiny-qwen3next", "F32")])
+@pytest.mark.parametrize("name,variant", [("tiny-qwen35moe", "F32"), ("tiny-qwen35", "Q8_0"),
+                                          ("tiny-qwen3next", "F32")])
 def test_tree_greedy_more_shapes(name, variant):
     """More (depth, tree_nodes): tree == chain drafter at tree_nodes = depth, wider trees lossless."""
     e = engine(name, variant)
