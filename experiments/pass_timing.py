@@ -70,12 +70,13 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
 
 def print_pass_timing(records: list[dict], what: str) -> None:
     print(f"\none trunk pass of w rows vs one decode step ({what}; median [min-max] ms)")
-    hdr = f"{'w':>3} {'decode ms':>10} {'chain ms':>22} {'chain/dec':>9} {'tree ms':>22} {'tree/dec':>8}"
+    hdr = (f"{'w':>3} {'decode ms':>10} {'chain ms [min-max]':>28} {'chain/dec':>9} {'tree ms [min-max]':>28} "
+           f"{'tree/dec':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in records:
         chain = f"{r['chain_ms']:.2f} [{r['chain_ms_min']:.2f}-{r['chain_ms_max']:.2f}]"
         tree = f"{r['tree_ms']:.2f} [{r['tree_ms_min']:.2f}-{r['tree_ms_max']:.2f}]"
-        print(f"{r['rows']:>3} {r['decode_ms']:>10.2f} {chain:>22} {r['chain_over_decode']:>9.2f} {tree:>22} "
+        print(f"{r['rows']:>3} {r['decode_ms']:>10.2f} {chain:>28} {r['chain_over_decode']:>9.2f} {tree:>28} "
               f"{r['tree_over_decode']:>8.2f}")
     print("a pass of w rows costing about one decode step (ratio ~1) is where speculation pays.")
