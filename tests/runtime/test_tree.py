@@ -104,7 +104,7 @@ def test_tree_nodes_bitwise_equal_decode_along_root_path(name, variant):
 
 def check_generation(e, prompt, n, k, nodes, sampling=GREEDY):
     """Tree output (both verify modes) == plain output; the batched trace's accepted-path rows are bitwise
-    the sequential trace's rows; stats agree. Returns the batched stats."""
+    the sequential trace's rows; stats agree. Returns (the batched stats, its trace)."""
     ref, _ = generate_ids(e.runtime, prompt, n, sampling)
     tb, ts = [], []
     out_b, st_b = generate_tree(e.runtime, e.mtp, prompt, n, sampling, (), k, nodes, "batched", trace=tb)
@@ -120,7 +120,7 @@ def check_generation(e, prompt, n, k, nodes, sampling=GREEDY):
         assert b["chain"].sum() == b["depth"].max() + 1  # the root + the greedy chain to the tree's depth
     for key in ("drafted", "accepted", "verify_passes", "accept_per_depth", "generated_tokens"):
         assert st_b[key] == st_s[key], key
-    return st_b
+    return st_b, tb
 
 
 @pytest.mark.parametrize("name,variant", files([("tiny-qwen35moe", "F32")]))
@@ -131,8 +131,11 @@ def test_tree_greedy_equals_plain_and_beats_chain(name, variant):
     k, nodes = 3, 8
     for i, prompt in enumerate(prompts(name, variant)):
         n = 40 if len(prompt) < 100 else 120
-        st = check_generation(e, prompt, n, k, nodes)
-        _, chain = generate_mtp(e.runtime, e.mtp, prompt, n, GREEDY, (), k)
+        st, trace = check_generation(e, prompt, n, k, nodes)
+        chain_trace = []
+        _, chain = generate_mtp(e.runtime, e.mtp, prompt, n, GREEDY, (), k, trace=chain_trace)
+        first = trace[0]  # the first pass starts from the same state as the chain's: it holds the chain's drafts
+        assert first["tokens"][first["chain"]].tolist() == chain_trace[0]["tokens"].tolist()
         print(f"{name}-{variant} prompt {i}: tree(k={k}, nodes={nodes}) {st['mean_accept_len']:.2f} vs chain "
               f"{chain['mean_accept_len']:.2f} tokens/pass")
         assert st["mean_accept_len"] >= chain["mean_accept_len"]
@@ -149,7 +152,7 @@ def test_tree_greedy_more_shapes(name, variant):
     e = engine(name, variant)
     prompt = prompts(name, variant)[0]
     for k, nodes in ((1, 1), (1, 4), (2, 6), (4, 4), (4, 16), (6, 12)):
-        st = check_generation(e, prompt, 40, k, nodes)
+        st, _ = check_generation(e, prompt, 40, k, nodes)
         if nodes == k:
             _, chain = generate_mtp(e.runtime, e.mtp, prompt, 40, GREEDY, (), k)
             assert st["accepted"] == chain["accepted"] and st["verify_passes"] == chain["verify_passes"]
@@ -161,7 +164,7 @@ def test_tree_sampled_equals_plain(name):
     e = engine(name, "F32")
     prompt = prompts(name, "F32")[0]
     sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
-    st = check_generation(e, prompt, 32, 3, 8, sampling)
+    st, _ = check_generation(e, prompt, 32, 3, 8, sampling)
     assert st["accepted"] > 0
 
 
