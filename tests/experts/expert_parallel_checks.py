@@ -2,7 +2,11 @@
 (XLA_FLAGS must be set before jax starts): for each GGUF, one engine on one device and one with
 `expert_parallel=N`, and the checks of the issue, printed as one JSON line per file.
 
-    python -m tests.experts.expert_parallel_checks --devices=4 FILE [FILE ...]
+    python -m tests.experts.expert_parallel_checks --devices=4 [--generate=FILE,...] FILE [FILE ...]
+
+Every file: logits bitwise and the bytes each device holds; the files in --generate also: greedy and
+MTP (batched verify) tokens and teacher-forced MTP logits (each file compiles its own graphs: these
+checks cost ~4x the logits check).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ def _force_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
-def check_file(path: str, n: int, prompt: str, new_tokens: int, mtp: bool) -> dict:
+def check_file(path: str, n: int, prompt: str, new_tokens: int, generate: bool) -> dict:
     import jax
 
     import sharpi_jax as sj
@@ -32,10 +36,9 @@ def check_file(path: str, n: int, prompt: str, new_tokens: int, mtp: bool) -> di
     ids = one.tokenizer.encode(prompt)
     out: dict = {"file": os.path.basename(path), "devices": [str(d) for d in par.mesh.devices.flat]}
     out["logits_bitwise"] = bool(bitwise_equal(par.logits(ids), one.logits(ids)))
-    greedy = one.generate(ids, max_new_tokens=new_tokens).tokens
-    out["greedy_one"] = greedy
-    out["greedy_parallel"] = par.generate(ids, max_new_tokens=new_tokens).tokens
-    if mtp:
+    if generate:
+        out["greedy_one"] = one.generate(ids, max_new_tokens=new_tokens).tokens
+        out["greedy_parallel"] = par.generate(ids, max_new_tokens=new_tokens).tokens
         out["mtp_parallel"] = par.generate(ids, max_new_tokens=new_tokens, speculative="mtp", draft_tokens=2).tokens
         out["mtp_logits_bitwise"] = bool(bitwise_equal(par.mtp_logits(ids), one.mtp_logits(ids)))
     # What each device holds: the routed experts split by expert id, every other param in full.
@@ -56,17 +59,50 @@ def check_file(path: str, n: int, prompt: str, new_tokens: int, mtp: bool) -> di
     return out
 
 
+def check_dispatch(n: int) -> dict:
+    """`sharded_expert_rows` vs `dispatch.expert_rows` on one device, bitwise, for every XLA mode and
+    row kernel, on synthetic Q4_K experts and a routing that leaves one device idle."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sharpi_jax.experts import parallel
+    from sharpi_jax.experts.dispatch import expert_rows
+    from sharpi_jax.experts.expert_weights import ExpertWeights
+    from tests.bitwise import bitwise_equal
+
+    rng = np.random.default_rng(0)
+    mesh = parallel.expert_mesh(n)
+    experts = ExpertWeights.random(rng, 2 * n, 256, 256, "q4_k").to_soa()
+    sharded = jax.device_put(experts, jax.sharding.NamedSharding(mesh, parallel.P(parallel.EXPERT_AXIS)))
+    u = jnp.asarray(rng.standard_normal((5, 256), dtype=np.float32))
+    # top-3 of the first 2n - 2 experts: the last device owns no routed pair.
+    sel = jnp.asarray(np.stack([rng.permutation(2 * n - 2)[:3] for _ in range(5)]), jnp.int32)
+    out = {}
+    for mode in ("grouped", "per_token"):
+        for row_kernel in ("gemm", "gemv"):
+            want = jax.jit(lambda u, s, e: expert_rows(u, s, e, mode, row_kernel)[0])(u, sel, experts)
+            got = jax.jit(lambda u, s, e: parallel.sharded_expert_rows(u, s, e, mesh, mode, row_kernel))(
+                u, sel, sharded)
+            out[f"{mode}/{row_kernel}"] = bool(bitwise_equal(got, want))
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=8)
     parser.add_argument("--prompt", default="def add(a, b):\n    return")
-    parser.add_argument("--nomtp", action="store_true")
-    parser.add_argument("files", nargs="+")
+    parser.add_argument("--generate", default="", help="comma-separated files that also run generation")
+    parser.add_argument("--dispatch", action="store_true", help="also run `check_dispatch`")
+    parser.add_argument("files", nargs="*")
     args = parser.parse_args(argv)
     _force_devices(args.devices)
+    if args.dispatch:
+        print(json.dumps({"dispatch": check_dispatch(args.devices)}), flush=True)
+    generate = set(filter(None, args.generate.split(",")))
     for path in args.files:
-        print(json.dumps(check_file(path, args.devices, args.prompt, args.new_tokens, not args.nomtp)), flush=True)
+        print(json.dumps(check_file(path, args.devices, args.prompt, args.new_tokens, path in generate)), flush=True)
 
 
 if __name__ == "__main__":
