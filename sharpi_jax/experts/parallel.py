@@ -26,6 +26,7 @@ device was chosen; the psum is the one collective.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -45,9 +46,10 @@ from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
 
 EXPERT_AXIS = "expert"
+_FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 __all__ = ["EXPERT_AXIS", "ShardedExperts", "ShardedGGUFExperts", "check_expert_parallel", "device_bytes",
-           "expert_mesh", "replicate_dense", "sharded_expert_rows"]
+           "expert_mesh", "force_host_devices", "is_routed_expert", "replicate_dense", "sharded_expert_rows"]
 
 
 def check_expert_parallel(n: Any, config: ModelConfig, *, expert_budget: Any = None) -> int:
@@ -68,6 +70,21 @@ def check_expert_parallel(n: Any, config: ModelConfig, *, expert_budget: Any = N
                          "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts, "
                          "across hosts call jax.distributed.initialize() first")
     return n
+
+
+def force_host_devices(n: int) -> bool:
+    """Ask XLA for at least n CPU devices (XLA_FLAGS --xla_force_host_platform_device_count; it only
+    shapes the host platform, GPUs are unaffected). Works only before jax starts its backends:
+    returns False (nothing changed) when they already run."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return False
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    given = [int(f.split("=", 1)[1]) for f in flags if f.startswith(_FORCE_FLAG + "=")]
+    flags = [f for f in flags if not f.startswith(_FORCE_FLAG)] + [f"{_FORCE_FLAG}={max([int(n)] + given)}"]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    return True
 
 
 def expert_mesh(n: int) -> Mesh:
@@ -133,10 +150,10 @@ def shard_expert_storage(raw: np.ndarray, shape: tuple[int, ...], qtype: int, me
     sharding = NamedSharding(mesh, P(EXPERT_AXIS))
     parts = {}
     for device, index in sharding.addressable_devices_indices_map(raw.shape).items():
-        rows = index[0]
-        local_shape = (rows.stop - rows.start,) + tuple(shape[1:])
+        rows = range(shape[0])[index[0]]  # this device's experts (slice(None) on a 1-device mesh)
+        local_shape = (len(rows),) + tuple(shape[1:])
         with jax.default_device(device):
-            part = to_expert_storage(np.ascontiguousarray(raw[rows]), local_shape, qtype)
+            part = to_expert_storage(np.ascontiguousarray(raw[rows.start:rows.stop]), local_shape, qtype)
         parts[device] = jax.device_put(part, device)
     return _assemble(parts, shape[0], sharding)
 
