@@ -2,8 +2,8 @@
 host devices against one device.
 
 Forced devices need XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax starts, so the
-checks run in subprocesses (`tests/experts/expert_parallel_checks.py`), two at a time, started once
-for the module. Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
+checks run in subprocesses (`tests/experts/expert_parallel_checks.py`, and the 2-process job),
+started together once for the module (~115 s of CPU in all, ~60 s on 2 idle cores). Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
 F32/Q8_0):
 
 - logits BITWISE equal to one device's (`tests.bitwise`): every row runs the same row-stable kernels
@@ -12,8 +12,10 @@ F32/Q8_0):
 - each device holds exactly 1/4 of the routed-expert bytes (E/4 experts of every matrix, in their
   storage encoding) and the dense params in full;
 - greedy tokens equal one device's and MTP (batched verify) tokens equal them, teacher-forced MTP
-  logits bitwise: on one file per arch here, on every file in the slow tier (each file compiles its
-  own generation graphs, ~25 s of CPU each).
+  logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow tier (each file compiles its
+  own generation graphs, ~25 s of CPU each; the sharded dispatch does not depend on the arch);
+- a 2-process `jax.distributed` run of `experiments.generate --expert_parallel=2` (one CPU device per
+  process) prints the one-device greedy tokens.
 Plus the dispatch itself for both XLA modes and row kernels, and the InputErrors (in-process, 1 device).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +39,9 @@ from tests.conftest import REPO_ROOT, fixture_path
 DEVICES = 4
 MOE_FILES = [("tiny-qwen35moe", v) for v in ("F32", "BF16", "Q8_0", "Q4_K_M")] + \
             [("tiny-qwen3next", v) for v in ("F32", "Q8_0")]
-GENERATE_FAST = [("tiny-qwen35moe", "Q4_K_M"), ("tiny-qwen3next", "Q8_0")]
+GENERATE_FAST = [("tiny-qwen35moe", "Q4_K_M")]
 GENERATE_SLOW = [f for f in MOE_FILES if f not in GENERATE_FAST]
+PROMPT = "def add(a, b):\n    return"
 
 
 def _path(name_variant) -> str:
@@ -48,8 +52,8 @@ def _path(name_variant) -> str:
 def _run_checks(args: list[str]) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     env.pop("XLA_FLAGS", None)
-    res = subprocess.run([sys.executable, "-m", "tests.experts.expert_parallel_checks", f"--devices={DEVICES}",
-                          *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "tests.experts.expert_parallel_checks", f"--devices={DEVICES}", f"--prompt={PROMPT}"]
+    res = subprocess.run(cmd + args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
@@ -66,17 +70,46 @@ def _jobs(generate: list) -> list[list[str]]:
     return halves
 
 
-def _results(generate: list) -> dict:
-    with ThreadPoolExecutor(2) as pool:
+MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_processes() -> list[subprocess.CompletedProcess]:
+    """`experiments.generate --expert_parallel=2` as a 2-process jax.distributed job on this host (one
+    CPU device each, gloo collectives): the documented multi-host launch."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.generate", f"--gguf={_path(MULTIHOST)}", f"--prompt={PROMPT}",
+         "--max_new_tokens=8", "--max_context=64", "--expert_parallel=2", "--json",
+         f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=900)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def _results(generate: list, multihost: bool = False) -> dict:
+    with ThreadPoolExecutor(3) as pool:
+        two = pool.submit(_run_two_processes) if multihost else None
         lines = [ln for out in pool.map(_run_checks, _jobs(generate)) for ln in out]
-    by_file = {ln["file"]: ln for ln in lines if "file" in ln}
-    by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
+        by_file = {ln["file"]: ln for ln in lines if "file" in ln}
+        by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
+        by_file["multihost"] = two.result() if two else None
     return by_file
 
 
 @pytest.fixture(scope="module")
 def results():
-    return _results(GENERATE_FAST)
+    return _results(GENERATE_FAST, multihost=True)
 
 
 def _name(f) -> str:
@@ -120,6 +153,19 @@ def test_greedy_and_mtp_tokens_equal_one_device_on_every_file():
     results = _results(GENERATE_SLOW)
     for f in GENERATE_SLOW:
         _check_generation(results[_name(f)])
+
+
+def test_two_local_processes_with_jax_distributed(results):
+    """The multi-host launch (`jax.distributed.initialize`, same command on every process) with 2
+    processes of one CPU device each: process 0 prints the one-device greedy tokens, process 1 nothing."""
+    zero, one = results["multihost"]
+    assert zero.returncode == 0 and one.returncode == 0, (zero.stderr[-3000:], one.stderr[-3000:])
+    json_lines = lambda res: [ln for ln in res.stdout.splitlines() if ln.startswith("{")]  # noqa: E731 (gloo logs too)
+    (line,) = json_lines(zero)
+    out = json.loads(line)
+    assert out["process_id"] == 0 and out["expert_parallel"] == 2 and len(set(out["devices"])) == 2
+    assert out["tokens"] == results[_name(MULTIHOST)]["greedy_one"]
+    assert json_lines(one) == []
 
 
 # ----------------------------------------------------------------------------- bad input (1 device)
