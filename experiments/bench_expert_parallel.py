@@ -5,13 +5,13 @@
 
 One engine per N (`sj.load(path, expert_parallel=N)`); on CPU the process asks XLA for max(N) host
 devices before jax starts (`parallel.force_host_devices`), so N = 1 runs on a 1-device mesh of the same
-process. Each row prints the routed-expert bytes each device holds (they must be 1/N of the total), the
-dense bytes each device holds (replicated), and prefill / decode tok/s (warm, median [min-max] of
---repeats interleaved rounds, experiments.timing), and whether every N generated the same tokens (it
-must: the logits are bitwise those of one device). Forced host devices share the same CPU cores, so
-CPU figures show the shape of scaling (collective and dispatch overhead), not a speed-up; on GPUs
-or across hosts (`jax.distributed.initialize()` first, see WORKSPACE.md) each device brings its own
-memory and compute. Timings only; nothing here is a test.
+process. Each row prints the trunk's routed-expert bytes each device holds (1/N of the total; the MTP
+block's experts are sharded alike), the dense bytes each device holds (replicated), prefill / decode
+tok/s (warm, median [min-max] of --repeats interleaved rounds, experiments.timing), and whether every
+N generated the same tokens (it must: the logits are bitwise those of one device). Forced host devices
+share the same CPU cores, so CPU figures show the shape of scaling (collective and dispatch overhead),
+not a speed-up; on GPUs or across hosts (`jax.distributed.initialize()` first, see WORKSPACE.md) each
+device brings its own memory and compute. Timings only; nothing here is a test.
 """
 
 from __future__ import annotations

@@ -111,9 +111,10 @@ def sharded_expert_rows(u: jax.Array, sel: jax.Array, experts: ExpertWeights, me
         return jax.lax.bitcast_convert_type(jax.lax.psum(bits, EXPERT_AXIS), jnp.float32)
 
     weight_spec = jax.tree.map(lambda _: P(EXPERT_AXIS), experts)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), weight_spec), out_specs=P(),
-                         check_vma=False)(
-        u.astype(jnp.float32), sel.astype(jnp.int32), experts)
+    # check_vma=False: the dispatch loops carry replicated values that become device-varying (the
+    # grouped while_loop's output rows); the out_specs P() is true after the psum.
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), weight_spec), out_specs=P(), check_vma=False)
+    return sharded(u.astype(jnp.float32), sel.astype(jnp.int32), experts)
 
 
 class ShardedExperts(RoutedExperts):
