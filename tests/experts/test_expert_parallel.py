@@ -3,7 +3,8 @@ host devices against one device.
 
 Forced devices need XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax starts, so the
 checks run in subprocesses (`tests/experts/expert_parallel_checks.py`, and the 2-process job),
-started together once for the module (~115 s of CPU in all, ~60 s on 2 idle cores). Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
+started together once for the module (~145 s of CPU in all, measured on a loaded machine: ~75 s on 2
+idle cores). Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
 F32/Q8_0):
 
 - logits BITWISE equal to one device's (`tests.bitwise`): every row runs the same row-stable kernels
@@ -59,15 +60,14 @@ def _run_checks(args: list[str]) -> list[dict]:
 
 
 def _jobs(generate: list) -> list[list[str]]:
-    """Two balanced subprocess argument lists: the generate files split between them."""
-    gen = [_path(f) for f in generate]
-    logits_only = [_path(f) for f in MOE_FILES if f not in generate]
-    halves = [["--dispatch"], []]
-    for i, p in enumerate(gen):
-        halves[i % 2] += [f"--generate={p}", p]
-    for i, p in enumerate(logits_only):
-        halves[(i + 1) % 2].append(p)
-    return halves
+    """Two subprocess argument lists of about equal cost (a file with generation checks costs ~4 logits-only
+    files; the dispatch check ~1)."""
+    jobs, costs = [["--dispatch"], []], [1, 0]
+    for f in sorted(MOE_FILES, key=lambda f: f not in generate):
+        i = costs.index(min(costs))
+        jobs[i] += ([f"--generate={_path(f)}"] if f in generate else []) + [_path(f)]
+        costs[i] += 4 if f in generate else 1
+    return jobs
 
 
 MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
