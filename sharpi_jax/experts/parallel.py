@@ -16,11 +16,12 @@ exactly one owner and the other devices contribute integer 0, so the sum is the 
 Every row is computed by the same row-stable kernels as on one device, so the logits are bitwise
 those of one device (the tests check it).
 
-Bytes moved per token and MoE layer: the psum of k*D int32 per row, i.e. 4*k*D bytes (all-reduce of
-an [N, k, D] buffer; 64 KiB for k = 8, D = 2048). A psum of the already-reduced [N, D] output would
-move k times fewer bytes but changes the order of the top-k sum (not bitwise); an all-to-all of the
-routed rows moves ~k*D*4*(N-1)/N each way but needs capacity-padded buckets. Bit parity with one
-device was chosen; the psum is the one collective.
+Bytes moved per token and MoE layer: the psum all-reduces k*D int32 per row, a 4*k*D-byte buffer
+(64 KiB for k = 8, D = 2048) over the N devices (a ring all-reduce sends and receives 2(N-1)/N of it
+per device). A psum of the already-reduced [rows, D] output would move k times fewer bytes but
+reorders the top-k sum (not bitwise); an all-to-all of the routed rows moves about as much as the
+psum each way but needs capacity-padded buckets. Bit parity with one device was chosen; the psum is
+the one collective.
 """
 
 from __future__ import annotations

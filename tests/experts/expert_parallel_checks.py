@@ -2,7 +2,7 @@
 (XLA_FLAGS must be set before jax starts): for each GGUF, one engine on one device and one with
 `expert_parallel=N`, and the checks of the issue, printed as one JSON line per file.
 
-    python -m tests.experts.expert_parallel_checks --devices=4 [--generate=FILE,...] FILE [FILE ...]
+    python -m tests.experts.expert_parallel_checks --devices=4 [--generate=FILE ...] FILE [FILE ...]
 
 Every file: logits bitwise and the bytes each device holds; the files in --generate also: greedy and
 MTP (batched verify) tokens and teacher-forced MTP logits (each file compiles its own graphs: these
@@ -93,14 +93,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=8)
     parser.add_argument("--prompt", default="def add(a, b):\n    return")
-    parser.add_argument("--generate", default="", help="comma-separated files that also run generation")
+    parser.add_argument("--generate", action="append", default=[], help="a file that also runs generation")
     parser.add_argument("--dispatch", action="store_true", help="also run `check_dispatch`")
     parser.add_argument("files", nargs="*")
     args = parser.parse_args(argv)
     _force_devices(args.devices)
     if args.dispatch:
         print(json.dumps({"dispatch": check_dispatch(args.devices)}), flush=True)
-    generate = set(filter(None, args.generate.split(",")))
+    generate = set(args.generate)
     for path in args.files:
         print(json.dumps(check_file(path, args.devices, args.prompt, args.new_tokens, path in generate)), flush=True)
 

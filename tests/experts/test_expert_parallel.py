@@ -62,12 +62,13 @@ def _run_checks(args: list[str]) -> list[dict]:
 def _jobs(generate: list) -> list[list[str]]:
     """Two subprocess argument lists of about equal cost (a file with generation checks costs ~4 logits-only
     files; the dispatch check ~1)."""
-    jobs, costs = [["--dispatch"], []], [1, 0]
+    options, files, costs = [["--dispatch"], []], [[], []], [1, 0]
     for f in sorted(MOE_FILES, key=lambda f: f not in generate):
         i = costs.index(min(costs))
-        jobs[i] += ([f"--generate={_path(f)}"] if f in generate else []) + [_path(f)]
+        options[i] += [f"--generate={_path(f)}"] if f in generate else []
+        files[i].append(_path(f))
         costs[i] += 4 if f in generate else 1
-    return jobs
+    return [o + f for o, f in zip(options, files)]
 
 
 MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
