@@ -68,6 +68,15 @@ def with_gdn(state: DecodeState, gdn: Sequence[GDNCache]) -> DecodeState:
     return out
 
 
+def with_attention(state: DecodeState, attn: Sequence[AttnCache]) -> DecodeState:
+    """`state` with its attention layers' caches replaced by `attn` (in trunk order)."""
+    it = iter(attn)
+    out = tuple(next(it) if isinstance(c, AttnCache) else c for c in state)
+    if next(it, None) is not None:
+        raise ValueError("more attention caches than attention layers")
+    return out
+
+
 def select_snapshot(state: DecodeState, snapshots: Snapshots, index) -> DecodeState:
     """`state` with every GDN layer set to its snapshot `index` (the state after row `index`)."""
     return tuple(c if s is None else GDNCache(s.conv[index], s.ssm[index]) for c, s in zip(state, snapshots))
