@@ -2,6 +2,7 @@
 
     python -m experiments.generate --gguf=PATH --prompt="def fib(n):" --max_new_tokens=64 [--json]
     python -m experiments.generate --speculative=mtp --draft_tokens=3 --max_new_tokens=48 --compare
+    python -m experiments.generate --kv_policy=snapkv --kv_budget=256 --speculative=mtp --prompt="$(cat f.py)"
 
 With no --gguf it runs the embedded default model. --json prints one JSON object {tokens, text, stats};
 otherwise the text, then a stats line on stderr.
@@ -41,6 +42,12 @@ flags.DEFINE_string("expert_budget", None, "Device bytes for routed experts: '8G
                     "of all routed-expert bytes like '25%' (default: every expert resident).")
 flags.DEFINE_enum("expert_policy", "frequency", ["static", "frequency", "lru", "slru"],
                   "Expert placement policy under --expert_budget.")
+flags.DEFINE_enum("kv_policy", None, ["snapkv"], "KV eviction at prefill: snapkv keeps --kv_budget positions per "
+                  "attention layer and KV head (the --kv_window last prompt tokens + the prefix positions they attend "
+                  "to most); decoding and MTP verify run on the compacted cache.")
+flags.DEFINE_integer("kv_budget", None, "SnapKV: KV positions kept per attention layer and KV head.")
+flags.DEFINE_integer("kv_window", None, "SnapKV: observation window (last prompt tokens, always kept; default 32).")
+flags.DEFINE_integer("kv_pool", None, "SnapKV: attention pooling width over neighbouring positions (default 7).")
 flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
@@ -61,7 +68,9 @@ def main(argv) -> int:
     try:
         budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
                                                               expert_policy=FLAGS.expert_policy)
-        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget)
+        kv = dict(kv_policy=FLAGS.kv_policy, kv_budget=FLAGS.kv_budget, kv_window=FLAGS.kv_window,
+                  kv_pool=FLAGS.kv_pool)
+        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget, **kv)
         sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
                         seed=FLAGS.seed, stop_on_eos=FLAGS.stop_on_eos)
         spec = dict(speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
@@ -89,6 +98,9 @@ def main(argv) -> int:
             print(f"[MTP k={s['draft_tokens']} ({s['verify']} verify): {s['accepted']}/{s['drafted']} drafts accepted "
                   f"({s['acceptance_rate']:.1%}), {s['mean_accept_len']:.2f} tokens per trunk pass, "
                   f"per position {', '.join(f'{x:.2f}' for x in s['accept_per_position'])}]", file=sys.stderr)
+        if s.get("kv_evicted"):
+            print(f"[SnapKV: {s['kv_evicted']} prompt positions evicted per attention layer and KV head; "
+                  f"{s['kv_slots']} of {s['kv_capacity']} KV slots in use at the end]", file=sys.stderr)
         if "experts" in s:
             e = s["experts"]
             print(f"[experts ({e['policy']}, {e['resident_fraction']:.0%} resident, budget "
