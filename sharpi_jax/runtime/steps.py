@@ -12,7 +12,8 @@ the same architecture and quant layout share them.
 MTP speculative decoding (issue 4) composes these: prefill -> (chain of drafts) -> verify_step over
 [t, d1..dk] -> accept a drafts -> commit(snapshot a) and set the host length to P + a + 1 (KV rows past
 it are stale and masked, then overwritten). `hidden` rows are the final-normed trunk states the MTP
-head consumes.
+head consumes. Every step also runs on a state whose attention caches were compacted by SnapKV
+(`kv_eviction`): positions stay logical (RoPE, masks), rows land in slot position - shift.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ COMMANDS = {
         f"--json_out={t / 'moe.jsonl'}"]),
     "test_snapkv_quality": ("snapkv_quality", lambda t: [
         "--models=default", "--budgets=40,400", "--kv_window=8", "--kv_pool=3", "--new_tokens=6",
-        "--prompt_tokens=64", "--mtp_k=2", "--max_context=96", f"--out={t / 'snap.jsonl'}",
+        "--prompt_tokens=64", "--mtp_k=0", "--max_context=96", f"--out={t / 'snap.jsonl'}",
         f"--plot_dir={t / 'plots'}"]),
     "test_generate_snapkv_flags": ("generate", lambda t: [
         "--kv_policy=snapkv", "--kv_budget=8", "--kv_window=4", "--kv_pool=3", "--max_new_tokens=4",
@@ -145,14 +145,13 @@ def test_generate_compare_needs_mtp(runs, request):
 
 
 def test_snapkv_quality(runs, request):
-    """The SnapKV quality sweep: one record per budget below the prompt (400 is skipped), MTP with
-    evicted and kept MTP KV gives the plain evicted tokens, and the figure is drawn."""
+    """The SnapKV quality sweep: one record per budget below the prompt (400 is skipped) and the figure.
+    (--mtp_k=0 keeps it short: MTP on evicted caches is tested in tests/runtime/test_snapkv.py.)"""
     tmp, res = result(runs, request)
     assert "wrote 1 records" in ok(res).stdout
     (r,) = jsonl(tmp / "snap.jsonl")
     assert r["kv_budget"] == 40 and r["prompt_tokens"] == 64 and r["kv_evicted"] == 24
     assert 0 <= r["agreement"] <= 1 and r["rel_l2"] >= 0 and 0 <= r["first_divergence"] <= 6
-    assert r["mtp_same_tokens"] is True and 0 <= r["acceptance_mtp_snapkv"] <= 1
     assert (tmp / "plots" / "snapkv_quality_vs_budget.png").stat().st_size > 5000
 
 

@@ -2,13 +2,15 @@
 path without eviction, and on an evicted cache MTP batched verify == sequential verify (every row,
 bitwise) == plain decoding with the same eviction (greedy and seeded sampling), three archs.
 
-Prompts are a 160-token cut of each fixture's long prompt (prompt 3), so eviction really drops most of
+Prompts are a 128-token cut of each fixture's long prompt (prompt 3), so eviction really drops most of
 it (budget 64). The fast tier runs k in FAST_KS, the slow tier the rest of 1..7 and the quantized
 files. Run with -s for the acceptance figures.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,13 +21,13 @@ from sharpi_jax.runtime import kv_eviction
 from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import generate_mtp
-from sharpi_jax.runtime.state import attention_caches
+from sharpi_jax.runtime.state import attention_caches, with_attention
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, load_references
 
-MAX_CONTEXT = 256
+MAX_CONTEXT = 192
 WIDTH = 7
-N_PROMPT = 160
+N_PROMPT = 128
 N_NEW = 24
 KV = SnapKV(budget=64, window=16, pool=5)
 ARCHS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
@@ -104,6 +106,34 @@ def test_kept_positions_equal_numpy_reference(name):
     assert int(compacted.shift) == m_rows - KV.budget
 
 
+def test_compacted_cache_uses_logical_positions():
+    """Compacting every position (nothing evicted) into max_context slots, slot s = position s, decodes
+    bitwise like the uncompacted cache; with the prompt rows stored in reverse slot order (logical
+    positions per slot, RoPE already in K) it decodes the same up to the reduction order."""
+    e = engine("tiny-qwen35moe")
+    rt, ids = e.runtime, long_prompt("tiny-qwen35moe", n=40)
+    n = len(ids)
+    _, _, state = rt.prefill(rt.new_state(), ids)
+    toks = [5, 17, 99, 3]
+
+    def decode(st):
+        rows = []
+        for i, t in enumerate(toks):
+            lg, _, st = rt.decode_step(st, t, n + i)
+            rows.append(np.asarray(lg))
+        return np.stack(rows)
+
+    ref = decode(jax.tree.map(jnp.copy, state))
+    keep = snapkv.every_position(e.config.n_head_kv, n)
+    for order, k in (("same", keep), ("reversed", keep[:, ::-1])):
+        attn = [snapkv.compact(c, k, n_rows=n, capacity=MAX_CONTEXT) for c in attention_caches(state)]
+        got = decode(with_attention(jax.tree.map(jnp.copy, state), attn))
+        if order == "same":
+            assert_bitwise_equal(got, ref)
+        else:
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
 def test_budget_at_least_the_prompt_is_no_eviction():
     """kv_budget >= prompt length: the prefill state is bitwise the one without a policy, and plain and
     MTP generation (logits of every verify row) are bitwise those without eviction (budget = prompt)."""
@@ -159,12 +189,15 @@ def check_evicted_parity(e, ids, ks, n_new=N_NEW):
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_evicted_batched_equals_sequential_equals_plain(name):
-    """k in FAST_KS, greedy; and seeded sampling (k = 3, both verify modes) == plain seeded sampling,
-    all on the same evicted cache."""
+    """k in FAST_KS, greedy; the MTP KV kept whole (k = 3); and seeded sampling (k = 3, both verify
+    modes) == plain seeded sampling, all on the same evicted cache."""
     e = engine(name)
     ids = long_prompt(name)
     acc = check_evicted_parity(e, ids, FAST_KS)
     assert any(0 < a < k for k, per_k in acc.items() for a in per_k)  # partial acceptance: rollback
+    ref, _ = generate_ids(e.runtime, ids, N_NEW, GREEDY, kv=KV)
+    keep, _ = generate_mtp(e.runtime, e.mtp, ids, N_NEW, GREEDY, (), 3, "batched", WIDTH, kv=KV, mtp_kv="keep")
+    assert keep == ref  # the MTP head's KV kept whole: only acceptance may change
     sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
     ref, _ = generate_ids(e.runtime, ids, N_NEW, sampling, kv=KV)
     for verify in ("batched", "sequential"):
