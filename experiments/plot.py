@@ -199,13 +199,13 @@ def _snapkv_figure(records: list[dict[str, Any]], plt):
     for (model,), pts in sorted(_series(records, "kv_budget", "rel_l2", ["model"]).items(), key=str):
         a2.plot([p[0] for p in pts], [max(p[1], 1e-9) for p in pts], marker="o", label=str(model))
     a1.set_ylim(0, 1.02)
-    a1.set_ylabel("greedy agreement with the full cache (teacher-forced)")
+    a1.set_ylabel("greedy agreement (teacher-forced)")
     a2.set_yscale("log")
-    a2.set_ylabel("logit relative L2 vs the full cache (mean over steps)")
+    a2.set_ylabel("logit rel. L2, mean over steps")
     for ax in (a1, a2):
-        ax.set_xlabel("kv_budget (positions kept per attention layer and KV head)")
+        ax.set_xlabel("kv_budget (positions kept per layer and KV head)")
         ax.legend(fontsize=7)
-    fig.suptitle("SnapKV eviction: continuation quality vs budget")
+    fig.suptitle("SnapKV eviction: continuation vs the full cache")
     return fig
 
 

@@ -90,8 +90,8 @@ def test_kept_positions_equal_numpy_reference(name):
         assert (want[:, : KV.budget - KV.window] < n - KV.window).all() and len(np.unique(want)) > KV.budget
         slot_pos = np.asarray(c.slot_pos)
         np.testing.assert_array_equal(slot_pos[:, : KV.budget], want)
-        np.testing.assert_array_equal(slot_pos[:, KV.budget:],
-                                      np.broadcast_to(np.arange(KV.budget, cap) + ev.shift, (len(want), cap - KV.budget)))
+        tail = np.arange(KV.budget, cap) + ev.shift  # appended rows: slot s holds position s + shift
+        np.testing.assert_array_equal(slot_pos[:, KV.budget:], np.broadcast_to(tail, (len(want), len(tail))))
         assert int(c.shift) == ev.shift and c.k.shape == (k.shape[0], cap, k.shape[2])
         kept = np.take_along_axis(k, want[:, :, None], axis=1), np.take_along_axis(v, want[:, :, None], axis=1)
         assert_bitwise_equal((np.asarray(c.k)[:, : KV.budget], np.asarray(c.v)[:, : KV.budget]), kept)
