@@ -357,7 +357,8 @@ class ModelConfig:
 
 
 def qwen36_35b_a3b(n_layer: int = 40, n_nextn: int = 1) -> ModelConfig:
-    """The Qwen3.6-35B-A3B shapes (spec section 0), optionally with fewer trunk layers."""
+    """The Qwen3.6-35B-A3B shapes (published config: 40 layers, hidden 2048, 256 experts top-8 of FFN 512
+    plus a shared expert, vocab 248320), optionally with fewer trunk layers."""
     recurrent = tuple(i < n_layer and (i + 1) % 4 != 0 for i in range(n_layer + n_nextn))
     return ModelConfig(
         arch="qwen35moe", n_vocab=248320, d_model=2048, n_layer_all=n_layer + n_nextn, n_nextn=n_nextn,

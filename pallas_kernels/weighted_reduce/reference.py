@@ -2,8 +2,8 @@
 
     out[i] = (((w[i,0] * y[i,0] + w[i,1] * y[i,1]) + ...) + w[i,k-1] * y[i,k-1]) + shared[i]
 
-Rank order j = 0..k-1, multiply then add, exactly as the per-token loop accumulates (spec
-speculative.md §1.5). XLA:CPU contracts `acc + w * y` into one FMA; every path that must agree with
+Rank order j = 0..k-1, multiply then add, exactly as the per-token loop accumulates (so grouped
+and per-token dispatch agree bit for bit). XLA:CPU contracts `acc + w * y` into one FMA; every path that must agree with
 this one bit for bit uses this same expression shape (the kernel below does), so they contract alike.
 """
 

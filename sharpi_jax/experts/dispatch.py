@@ -1,4 +1,5 @@
-"""Token -> expert dispatch for the routed experts of a MoE layer (spec speculative.md §1).
+"""Token -> expert dispatch for the routed experts of a MoE layer (grouped: each used expert is read
+once per batch).
 
 `routed_experts(u, sel, w, experts, mode=...)` computes, for every row i,
 

@@ -1,4 +1,4 @@
-"""Cold routed experts (spec speculative.md §4): ONE host callback per MoE layer and batch.
+"""Cold routed experts (not resident on the device): ONE host callback per MoE layer and batch.
 
 When a batch routes to experts that are not in the layer's device slots (`residency`), the jitted step
 calls `Streamer.serve` once for that layer with every missing expert id. The callback does two things:

@@ -1,4 +1,4 @@
-"""The tensors a model of a given ModelConfig has: names and numpy-order shapes (spec section 2).
+"""The tensors a model of a given ModelConfig has: names and numpy-order shapes (llama.cpp's names for these architectures).
 
 One table serves three jobs: validating a GGUF against its own metadata, telling the weight loader
 what to read, and telling the synthetic writer what to write. Shapes are numpy order (the reverse of

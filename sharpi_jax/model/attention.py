@@ -1,4 +1,4 @@
-"""Gated full attention (spec 3.2) over a fixed-size KV cache.
+"""Gated full attention (the output gated by sigmoid of a per-head gate) over a fixed-size KV cache.
 
 Per row: QG = W_q a holds [q_h | gate_h] per head; q and k get a per-head RMSNorm, then partial NEOX
 rope; softmax(q k^T / sqrt(hd)) v per q-head (GQA: q-head h reads kv-head h // (Hq/Hkv)); the output

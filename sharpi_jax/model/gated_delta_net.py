@@ -1,4 +1,4 @@
-"""Gated DeltaNet layer (spec 3.3) with a recurrent (scan) form and a chunked WY form (spec 5).
+"""Gated DeltaNet layer with a recurrent (scan) form and a chunked WY form of the same delta rule.
 
 State per layer (float32): conv [Kc-1, C], the raw pre-conv qkv rows of the last Kc-1 tokens, oldest
 first (time-major, the transpose of ggml's [C, Kc-1]); ssm [Hv, dv, dk], ggml's layout (the transpose
@@ -33,7 +33,7 @@ def l2_norm(x: jax.Array, eps: float) -> jax.Array:
 
 def delta_rule_step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
                     scale: float) -> tuple[jax.Array, jax.Array]:
-    """One token, decay first (spec 3.3 step 7). S [H, dv, dk]; q, k [H, dk]; v [H, dv]; beta, g [H]."""
+    """One token, decay first (S <- e^g S, then the delta update). S [H, dv, dk]; q, k [H, dk]; v [H, dv]; beta, g [H]."""
     S = S * jnp.exp(g)[:, None, None]
     u = jnp.sum(S * k[:, None, :], axis=-1)  # S'^T k
     d = beta[:, None] * (v - u)
@@ -67,7 +67,7 @@ def unit_lower_solve(A: jax.Array, rhs: jax.Array) -> jax.Array:
 
 
 def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK):
-    """Chunked WY form of the same recurrence (spec 5; HF `chunk_gated_delta_rule`, no clamps).
+    """Chunked WY form of the same recurrence (Hugging Face's `chunk_gated_delta_rule`, no clamps).
 
     Shapes as `delta_rule_recurrent`; S [H, dv, dk]. Tokens with beta = g = 0 and k = v = 0 leave the
     state unchanged, which is how padding is made inert.

@@ -86,7 +86,8 @@ def rope_inv_freq(n_rot: int, base: float) -> np.ndarray:
 def rope_neox(x: jax.Array, positions: jax.Array, n_rot: int, base: float, freq_scale: float = 1.0) -> jax.Array:
     """Partial NEOX rope on [T, H, hd]: dim d pairs with d + n_rot/2 for d < n_rot/2; dims >= n_rot pass.
 
-    Text-only IMROPE (qwen35/qwen35moe, all position streams equal) is exactly this (spec 3.2 step 4).
+    Text-only IMROPE (qwen35/qwen35moe, all position streams equal) is exactly this: llama.cpp's
+    multi-section rope with every section given the same position.
     """
     if n_rot == 0:
         return x

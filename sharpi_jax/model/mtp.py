@@ -1,4 +1,4 @@
-"""The MTP (NextN) head (spec qwen35moe.md 4.1): one extra full-attention block that drafts the token after next.
+"""The MTP (NextN) head: one extra full-attention block that drafts the token after next.
 
 Per row, a token x at position p paired with a final-normed hidden h (the target's h[p-1] when catching
 up, the head's own previous output when drafting):

@@ -1,4 +1,4 @@
-"""MTP speculative decoding (spec speculative.md section 2, qwen35moe.md 4.2-4.5): chain drafts from the
+"""MTP speculative decoding (draft, verify, accept, roll back): chain drafts from the
 MTP head, ONE trunk pass over [t, d1..dk], greedy / exact-match acceptance, rollback by GDN snapshot.
 
 One pass, with P the position of the certain token t and h[P-1] the target's final-normed hidden:

@@ -1,7 +1,7 @@
 """Synthetic GGUF writer: a valid model of any ModelConfig with random weights, for tests and benchmarks.
 
 The tensor list comes from `model_tensor_specs(config)` (the same table the loader validates against),
-so a synthetic file has exactly the names and shapes llama.cpp's loader expects (spec section 2).
+so a synthetic file has exactly the names and shapes llama.cpp's loader expects.
 Tensors are generated and written one at a time (streaming), so writing a 35B-A3B-shaped file needs
 memory for its largest tensor only. Quantized tensors are random *valid blocks* (random quant fields,
 sane scale fields), which is much faster than quantizing random floats and exercises every bit of

@@ -1,4 +1,4 @@
-"""Unit checks of the layer math against plain numpy (spec 3.2-3.4, 5)."""
+"""Unit checks of the layer math against plain numpy (attention, GDN, MoE, chunked delta rule)."""
 
 from __future__ import annotations
 
