@@ -48,6 +48,12 @@ flags.DEFINE_enum("kv_policy", None, ["snapkv"], "KV eviction at prefill: snapkv
 flags.DEFINE_integer("kv_budget", None, "SnapKV: KV positions kept per attention layer and KV head.")
 flags.DEFINE_integer("kv_window", None, "SnapKV: observation window (last prompt tokens, always kept; default 32).")
 flags.DEFINE_integer("kv_pool", None, "SnapKV: attention pooling width over neighbouring positions (default 7).")
+flags.DEFINE_integer("expert_parallel", None, "Shard the routed experts over N devices (a Mesh 'expert' axis; on "
+                     "CPU, N forced host devices). Across hosts: with --coordinator_address.", lower_bound=1)
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0: call jax.distributed.initialize() "
+                    "first (multi-host expert parallelism; every process runs the same command).")
+flags.DEFINE_integer("num_processes", None, "With --coordinator_address: the number of processes.")
+flags.DEFINE_integer("process_id", None, "With --coordinator_address: this process's index (0 prints).")
 flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
@@ -65,12 +71,17 @@ def main(argv) -> int:
         print("error: --compare times MTP off against MTP: add --speculative=mtp", file=sys.stderr)
         return 2
     compare = None
+    parallel_info = _start_devices()
     try:
         budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
                                                               expert_policy=FLAGS.expert_policy)
+        if FLAGS.expert_parallel is not None:
+            budget["expert_parallel"] = FLAGS.expert_parallel
         kv = dict(kv_policy=FLAGS.kv_policy, kv_budget=FLAGS.kv_budget, kv_window=FLAGS.kv_window,
                   kv_pool=FLAGS.kv_pool)
         engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget, **kv)
+        if engine.mesh is not None:
+            parallel_info["devices"] = [str(d) for d in engine.mesh.devices.flat]
         sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
                         seed=FLAGS.seed, stop_on_eos=FLAGS.stop_on_eos)
         spec = dict(speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
@@ -83,9 +94,11 @@ def main(argv) -> int:
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if parallel_info.get("process_id", 0) != 0:
+        return 0  # every process computed the same tokens; process 0 prints them
     if FLAGS.json:
         print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats,
-                          **({"compare": compare} if compare else {})}))
+                          **({"compare": compare} if compare else {}), **parallel_info}))
     else:
         print(FLAGS.prompt + out.text)
         s = out.stats
@@ -113,6 +126,24 @@ def main(argv) -> int:
             print("[whether MTP pays is not measured here: add --compare to time MTP off vs MTP, warm, in this run]",
                   file=sys.stderr)
     return 0
+
+
+def _start_devices() -> dict:
+    """Before jax starts: join the multi-host job (--coordinator_address) and, for --expert_parallel on
+    CPU, ask XLA for that many host devices. Returns what --json reports about it."""
+    from sharpi_jax.experts import parallel
+
+    info: dict = {}
+    if FLAGS.coordinator_address:
+        import jax
+
+        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        info["process_id"] = jax.process_index()
+    elif FLAGS.expert_parallel is not None:
+        parallel.force_host_devices(FLAGS.expert_parallel)
+    if FLAGS.expert_parallel is not None:
+        info["expert_parallel"] = FLAGS.expert_parallel
+    return info
 
 
 def _compare(engine, sampling: dict, spec: dict):

@@ -17,6 +17,7 @@ import numpy as np
 
 from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
+from sharpi_jax.experts import parallel as expert_parallelism
 from sharpi_jax.experts import residency as expert_residency
 from sharpi_jax.experts.provider import GGUFExperts
 from sharpi_jax.gguf import GGUFFile, read_model_config
@@ -66,8 +67,9 @@ class Engine:
                  run_config: RunConfig | None = None, prefill_buckets: Sequence[int] | None = None,
                  expert_mode: str | None = None, row_kernel: str | None = None, gdn_chunk: int | None = None,
                  kernels: str | None = None, repack: str | None = "default", progress: bool | None = None,
-                 expert_budget: int | None = None, expert_policy: str = "frequency", kv_policy: str | None = None,
-                 kv_budget: int | None = None, kv_window: int | None = None, kv_pool: int | None = None,
+                 expert_budget: int | None = None, expert_policy: str = "frequency", expert_parallel: int | None = None,
+                 kv_policy: str | None = None, kv_budget: int | None = None, kv_window: int | None = None,
+                 kv_pool: int | None = None,
                  **residency_options: Any):
         _check_dtype(dtype)
         self.kv_policy: SnapKV | None = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, None)
@@ -93,8 +95,18 @@ class Engine:
                 raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
                                  "grouped kernel reads whole expert stacks (use kernels='xla')")
             run = self.run_config = run.replace(expert_mode=PALLAS_EXPERT_MODE)
-        self.experts = GGUFExperts(self.gguf, self.config, run, self.residency) if self.config.is_moe else None
+        self.mesh = None  # the expert-parallel Mesh (expert_parallel=N), else one device
+        if expert_parallel is not None:
+            n = expert_parallelism.check_expert_parallel(expert_parallel, self.config, expert_budget=expert_budget)
+            if self.matrix_format.backend == "pallas":
+                raise InputError("expert_parallel with kernels='pallas' is not supported yet: use kernels='xla'")
+            self.mesh = expert_parallelism.expert_mesh(n)
+            self.experts = expert_parallelism.ShardedGGUFExperts(self.gguf, self.config, self.mesh, run)
+        else:
+            self.experts = GGUFExperts(self.gguf, self.config, run, self.residency) if self.config.is_moe else None
         self.model = load_model(self.gguf, self.config, self.experts, progress=progress, run=run)
+        if self.mesh is not None:
+            self.model = expert_parallelism.replicate_dense(self.model, self.mesh)
         self.runtime = Runtime(self.model, int(max_context), run)
         self._mtp: MTPRuntime | None = None
 
@@ -164,6 +176,8 @@ class Engine:
             if not self.config.has_mtp:
                 raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
             head = load_mtp(self.gguf, self.config, self.model, self.experts, run=self.run_config)
+            if self.mesh is not None:
+                head = expert_parallelism.replicate_dense(head, self.mesh)
             self._mtp = MTPRuntime(head, self.max_context)
         return self._mtp
 
@@ -253,8 +267,12 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     quantized matrices repacked); progress (tqdm bar; default: files >= 256 MiB),
     expert_budget (routed-expert bytes kept on the device: an int, "6GiB", or a share like "25%";
     None: all) and expert_policy ("static" | "frequency" | "lru" | "slru"), plus the residency options
-    of `sharpi_jax.experts.residency.configure` (device_budget, expert_counts, ...); kv_policy
-    (None | "snapkv"), kv_budget, kv_window, kv_pool: the default KV eviction of `Engine.generate`.
+    of `sharpi_jax.experts.residency.configure` (device_budget, expert_counts, ...).
+    expert_parallel=N: shard the routed experts by expert id over a Mesh of the first N devices (all
+    hosts' after `jax.distributed.initialize()`), dense weights replicated; logits bitwise those of one
+    device (`sharpi_jax.experts.parallel`). Not with an expert_budget or kernels="pallas" yet.
+    kv_policy (None | "snapkv"), kv_budget, kv_window, kv_pool: the default KV eviction of
+    `Engine.generate`.
     """
     if path is None:
         from sharpi_jax.assets import default_model_path

@@ -62,6 +62,11 @@ COMMANDS = {
     "test_bench_decode": ("bench_decode", lambda t: [
         "--models=default", "--prompt_tokens=12", "--decode_tokens=4", "--repeats=2", "--max_context=64",
         f"--jsonl={t / 'decode.jsonl'}"]),
+    "test_bench_expert_parallel": ("bench_expert_parallel", lambda t: [
+        "--devices=1,2", "--repeats=2", "--prompt_tokens=8", "--decode_tokens=3", "--max_context=32",
+        f"--json_out={t / 'ep.jsonl'}"]),
+    "test_generate_expert_parallel": ("generate", lambda t: [
+        "--expert_parallel=2", "--max_new_tokens=4", "--max_context=32", "--json"]),
     "test_bench_moe": ("bench_moe", lambda t: [
         "--sizes=1,8", "--qtype=q8_0", "--n_expert=16", "--top_k=4", "--d_ff=32", "--d_model=64", "--repeats=2",
         f"--json_out={t / 'moe.jsonl'}"]),
@@ -210,6 +215,27 @@ def test_bench_verify(runs, request):
         _check_spread(r, "decode_tok_s", rounds=2)
         assert r.get("same_tokens_as_off", True) is True
     assert all(0 <= r["acceptance_rate"] <= 1 and len(r["accept_per_position"]) == 1 for r in recs[1:])
+
+
+def test_bench_expert_parallel(runs, request):
+    """N = 1, 2 forced host devices: each holds 1/N of the routed-expert bytes, all the dense bytes."""
+    tmp, res = result(runs, request)
+    assert "same tokens for every N: yes" in ok(res).stdout and "2 cpu devices" in res.stdout
+    one, two = jsonl(tmp / "ep.jsonl")
+    assert (one["expert_parallel"], two["expert_parallel"]) == (1, 2) and two["devices"] == ["cpu:0", "cpu:1"]
+    assert two["expert_bytes_per_device"] == [one["expert_bytes_per_device"][0] // 2] * 2
+    assert two["dense_bytes_per_device"] == one["dense_bytes_per_device"] * 2
+    for rec in (one, two):
+        assert re.search(rf"^\s+{rec['expert_parallel']}\s+[\d.]+\s+[\d.]+\s+[\d.]+ \[[\d.]+-[\d.]+\]", res.stdout, re.M)
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            _check_spread(rec, key, rounds=2)
+
+
+def test_generate_expert_parallel(runs, request):
+    """--expert_parallel=2 on a 1-device CPU machine asks XLA for 2 host devices and runs."""
+    _, res = result(runs, request)
+    out = json.loads(ok(res).stdout)
+    assert len(out["tokens"]) == 4 and out["expert_parallel"] == 2 and out["devices"] == ["cpu:0", "cpu:1"]
 
 
 def test_bench_moe(runs, request):

@@ -1,0 +1,109 @@
+"""Run by tests/experts/test_expert_parallel.py in a subprocess that forces N host devices
+(XLA_FLAGS must be set before jax starts): for each GGUF, one engine on one device and one with
+`expert_parallel=N`, and the checks of the issue, printed as one JSON line per file.
+
+    python -m tests.experts.expert_parallel_checks --devices=4 [--generate=FILE ...] FILE [FILE ...]
+
+Every file: logits bitwise and the bytes each device holds; the files in --generate also: greedy and
+MTP (batched verify) tokens and teacher-forced MTP logits (each file compiles its own graphs: these
+checks cost ~4x the logits check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _force_devices(n: int) -> None:
+    flag = f"--xla_force_host_platform_device_count={n}"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+def check_file(path: str, n: int, prompt: str, new_tokens: int, generate: bool) -> dict:
+    import jax
+
+    import sharpi_jax as sj
+    from sharpi_jax.experts import parallel
+    from tests.bitwise import bitwise_equal
+
+    t0 = time.perf_counter()
+    one = sj.load(path, max_context=64)
+    par = sj.load(path, max_context=64, expert_parallel=n)
+    ids = one.tokenizer.encode(prompt)
+    out: dict = {"file": os.path.basename(path), "devices": [str(d) for d in par.mesh.devices.flat]}
+    out["logits_bitwise"] = bool(bitwise_equal(par.logits(ids), one.logits(ids)))
+    if generate:
+        out["greedy_one"] = one.generate(ids, max_new_tokens=new_tokens).tokens
+        out["greedy_parallel"] = par.generate(ids, max_new_tokens=new_tokens).tokens
+        out["mtp_parallel"] = par.generate(ids, max_new_tokens=new_tokens, speculative="mtp", draft_tokens=2).tokens
+        out["mtp_logits_bitwise"] = bool(bitwise_equal(par.mtp_logits(ids), one.mtp_logits(ids)))
+    # What each device holds: the routed experts split by expert id, every other param in full.
+    out["expert_bytes_one"] = sum(parallel.device_bytes(one.model, parallel.is_routed_expert).values())
+    out["expert_bytes"] = [parallel.device_bytes(par.model, parallel.is_routed_expert).get(d, 0)
+                           for d in par.mesh.devices.flat]
+    dense = lambda p: not parallel.is_routed_expert(p)  # noqa: E731
+    out["dense_bytes_one"] = sum(parallel.device_bytes(one.model, dense).values())
+    out["dense_bytes"] = [parallel.device_bytes(par.model, dense).get(d, 0) for d in par.mesh.devices.flat]
+    leads = set()
+    for path, var in parallel.nnx.to_flat_state(parallel.nnx.state(par.model)):
+        if parallel.is_routed_expert(tuple(path)):
+            for leaf in jax.tree.leaves(var.get_value()):
+                leads |= {(leaf.shape[0], s.data.shape[0]) for s in leaf.addressable_shards}
+    out["expert_leads"] = sorted(leads)  # (experts, experts per shard) of every routed-expert array
+    out["n_expert"] = one.config.n_expert
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def check_dispatch(n: int) -> dict:
+    """`sharded_expert_rows` vs `dispatch.expert_rows` on one device, bitwise, for every XLA mode and
+    row kernel, on synthetic Q4_K experts and a routing that leaves one device idle."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sharpi_jax.experts import parallel
+    from sharpi_jax.experts.dispatch import expert_rows
+    from sharpi_jax.experts.expert_weights import ExpertWeights
+    from tests.bitwise import bitwise_equal
+
+    rng = np.random.default_rng(0)
+    mesh = parallel.expert_mesh(n)
+    experts = ExpertWeights.random(rng, 2 * n, 256, 256, "q4_k").to_soa()
+    sharded = jax.device_put(experts, jax.sharding.NamedSharding(mesh, parallel.P(parallel.EXPERT_AXIS)))
+    u = jnp.asarray(rng.standard_normal((5, 256), dtype=np.float32))
+    # top-3 of the first 2n - 2 experts: the last device owns no routed pair.
+    sel = jnp.asarray(np.stack([rng.permutation(2 * n - 2)[:3] for _ in range(5)]), jnp.int32)
+    out = {}
+    for mode in ("grouped", "per_token"):
+        for row_kernel in ("gemm", "gemv"):
+            want = jax.jit(lambda u, s, e: expert_rows(u, s, e, mode, row_kernel)[0])(u, sel, experts)
+            got = jax.jit(lambda u, s, e: parallel.sharded_expert_rows(u, s, e, mesh, mode, row_kernel))(
+                u, sel, sharded)
+            out[f"{mode}/{row_kernel}"] = bool(bitwise_equal(got, want))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--new_tokens", type=int, default=8)
+    parser.add_argument("--prompt", default="def add(a, b):\n    return")
+    parser.add_argument("--generate", action="append", default=[], help="a file that also runs generation")
+    parser.add_argument("--dispatch", action="store_true", help="also run `check_dispatch`")
+    parser.add_argument("files", nargs="*")
+    args = parser.parse_args(argv)
+    _force_devices(args.devices)
+    if args.dispatch:
+        print(json.dumps({"dispatch": check_dispatch(args.devices)}), flush=True)
+    generate = set(args.generate)
+    for path in args.files:
+        print(json.dumps(check_file(path, args.devices, args.prompt, args.new_tokens, path in generate)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

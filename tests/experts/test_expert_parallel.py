@@ -1,0 +1,202 @@
+"""Expert parallelism (`sj.load(path, expert_parallel=N)`, `sharpi_jax.experts.parallel`) on 4 forced
+host devices against one device.
+
+Forced devices need XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax starts, so the
+checks run in subprocesses (`tests/experts/expert_parallel_checks.py`, and the 2-process job),
+started together once for the module (~145 s of CPU in all, measured on a loaded machine: ~75 s on 2
+idle cores). Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
+F32/Q8_0):
+
+- logits BITWISE equal to one device's (`tests.bitwise`): every row runs the same row-stable kernels
+  and the psum of bit patterns adds only integer zeros to each owner's result, so nothing is rounded
+  differently; a tolerance would hide a real reordering;
+- each device holds exactly 1/4 of the routed-expert bytes (E/4 experts of every matrix, in their
+  storage encoding) and the dense params in full;
+- greedy tokens equal one device's and MTP (batched verify) tokens equal them, teacher-forced MTP
+  logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow tier (each file compiles its
+  own generation graphs, ~25 s of CPU each; the sharded dispatch does not depend on the arch);
+- a 2-process `jax.distributed` run of `experiments.generate --expert_parallel=2` (one CPU device per
+  process) prints the one-device greedy tokens.
+Plus the dispatch itself for both XLA modes and row kernels, and the InputErrors (in-process, 1 device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import sharpi_jax as sj
+from sharpi_jax.errors import InputError
+from sharpi_jax.experts import parallel
+from sharpi_jax.gguf import GGUFFile, read_model_config
+from tests.conftest import REPO_ROOT, fixture_path
+
+DEVICES = 4
+MOE_FILES = [("tiny-qwen35moe", v) for v in ("F32", "BF16", "Q8_0", "Q4_K_M")] + \
+            [("tiny-qwen3next", v) for v in ("F32", "Q8_0")]
+GENERATE_FAST = [("tiny-qwen35moe", "Q4_K_M")]
+GENERATE_SLOW = [f for f in MOE_FILES if f not in GENERATE_FAST]
+PROMPT = "def add(a, b):\n    return"
+
+
+def _path(name_variant) -> str:
+    name, variant = name_variant
+    return str(fixture_path(name, f"{name}-{variant}.gguf"))
+
+
+def _run_checks(args: list[str]) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "tests.experts.expert_parallel_checks", f"--devices={DEVICES}", f"--prompt={PROMPT}"]
+    res = subprocess.run(cmd + args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+def _jobs(generate: list) -> list[list[str]]:
+    """Two subprocess argument lists of about equal cost (a file with generation checks costs ~4 logits-only
+    files; the dispatch check ~1)."""
+    options, files, costs = [["--dispatch"], []], [[], []], [1, 0]
+    for f in sorted(MOE_FILES, key=lambda f: f not in generate):
+        i = costs.index(min(costs))
+        options[i] += [f"--generate={_path(f)}"] if f in generate else []
+        files[i].append(_path(f))
+        costs[i] += 4 if f in generate else 1
+    return [o + f for o, f in zip(options, files)]
+
+
+MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_processes() -> list[subprocess.CompletedProcess]:
+    """`experiments.generate --expert_parallel=2` as a 2-process jax.distributed job on this host (one
+    CPU device each, gloo collectives): the documented multi-host launch."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.generate", f"--gguf={_path(MULTIHOST)}", f"--prompt={PROMPT}",
+         "--max_new_tokens=8", "--max_context=64", "--expert_parallel=2", "--json",
+         f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=900)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def _results(generate: list, multihost: bool = False) -> dict:
+    with ThreadPoolExecutor(3) as pool:
+        two = pool.submit(_run_two_processes) if multihost else None
+        lines = [ln for out in pool.map(_run_checks, _jobs(generate)) for ln in out]
+        by_file = {ln["file"]: ln for ln in lines if "file" in ln}
+        by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
+        by_file["multihost"] = two.result() if two else None
+    return by_file
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _results(GENERATE_FAST, multihost=True)
+
+
+def _name(f) -> str:
+    return f"{f[0]}-{f[1]}.gguf"
+
+
+def test_sharded_dispatch_is_bitwise_the_single_device_dispatch(results):
+    assert results["dispatch"] == {f"{m}/{k}": True for m in ("grouped", "per_token") for k in ("gemm", "gemv")}
+
+
+@pytest.mark.parametrize("f", MOE_FILES, ids=_name)
+def test_logits_bitwise_equal_one_device(results, f):
+    r = results[_name(f)]
+    assert r["devices"] == [f"cpu:{i}" for i in range(DEVICES)]
+    assert r["logits_bitwise"]
+
+
+@pytest.mark.parametrize("f", MOE_FILES, ids=_name)
+def test_each_device_holds_only_its_experts(results, f):
+    r = results[_name(f)]
+    assert r["expert_bytes"] == [r["expert_bytes_one"] // DEVICES] * DEVICES
+    assert r["expert_bytes_one"] % DEVICES == 0
+    assert r["expert_leads"] == [[r["n_expert"], r["n_expert"] // DEVICES]]
+    assert r["dense_bytes"] == [r["dense_bytes_one"]] * DEVICES
+
+
+def _check_generation(r: dict) -> None:
+    assert len(r["greedy_one"]) > 0
+    assert r["greedy_parallel"] == r["greedy_one"]
+    assert r["mtp_parallel"] == r["greedy_one"]
+    assert r["mtp_logits_bitwise"]
+
+
+@pytest.mark.parametrize("f", GENERATE_FAST, ids=_name)
+def test_greedy_and_mtp_tokens_equal_one_device(results, f):
+    _check_generation(results[_name(f)])
+
+
+@pytest.mark.slow
+def test_greedy_and_mtp_tokens_equal_one_device_on_every_file():
+    results = _results(GENERATE_SLOW)
+    for f in GENERATE_SLOW:
+        _check_generation(results[_name(f)])
+
+
+def test_two_local_processes_with_jax_distributed(results):
+    """The multi-host launch (`jax.distributed.initialize`, same command on every process) with 2
+    processes of one CPU device each: process 0 prints the one-device greedy tokens, process 1 nothing."""
+    zero, one = results["multihost"]
+    assert zero.returncode == 0 and one.returncode == 0, (zero.stderr[-3000:], one.stderr[-3000:])
+    json_lines = lambda res: [ln for ln in res.stdout.splitlines() if ln.startswith("{")]  # noqa: E731 (gloo logs too)
+    (line,) = json_lines(zero)
+    out = json.loads(line)
+    assert out["process_id"] == 0 and out["expert_parallel"] == 2 and len(set(out["devices"])) == 2
+    assert out["tokens"] == results[_name(MULTIHOST)]["greedy_one"]
+    assert json_lines(one) == []
+
+
+# ----------------------------------------------------------------------------- bad input (1 device)
+
+
+def _config(name: str, variant: str):
+    return read_model_config(GGUFFile(fixture_path(name, f"{name}-{variant}.gguf")))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
+def test_expert_parallel_must_be_a_positive_integer(bad):
+    with pytest.raises(InputError, match="expert_parallel must be a positive integer"):
+        parallel.check_expert_parallel(bad, _config("tiny-qwen35moe", "Q8_0"))
+
+
+def test_expert_parallel_errors_name_the_problem():
+    moe = _config("tiny-qwen35moe", "Q8_0")
+    with pytest.raises(InputError, match="no routed experts"):
+        parallel.check_expert_parallel(2, _config("tiny-qwen35", "Q8_0"))
+    with pytest.raises(InputError, match="does not divide the 16 experts"):
+        parallel.check_expert_parallel(3, moe)
+    with pytest.raises(InputError, match="expert_budget is not supported yet"):
+        parallel.check_expert_parallel(1, moe, expert_budget="50%")
+    with pytest.raises(InputError, match="xla_force_host_platform_device_count"):
+        parallel.check_expert_parallel(16, moe)
+
+
+def test_load_rejects_expert_parallel_with_a_budget_or_pallas():
+    path = fixture_path("tiny-qwen35moe", "tiny-qwen35moe-Q8_0.gguf")
+    with pytest.raises(InputError, match="expert_budget is not supported yet"):
+        sj.load(path, max_context=16, expert_parallel=1, expert_budget="50%", expert_policy="static")
+    with pytest.raises(InputError, match="kernels='pallas' is not supported yet"):
+        sj.load(path, max_context=16, expert_parallel=1, kernels="pallas")
