@@ -3,6 +3,7 @@
     python -m experiments.generate --gguf=PATH --prompt="def fib(n):" --max_new_tokens=64 [--json]
     python -m experiments.generate --speculative=mtp --draft_tokens=3 --max_new_tokens=48 --compare
     python -m experiments.generate --speculative=mtp_tree --draft_tokens=4 --tree_nodes=12 --compare
+    python -m experiments.generate --kv_policy=snapkv --kv_budget=256 --speculative=mtp --prompt="$(cat f.py)"
 
 With no --gguf it runs the embedded default model. --json prints one JSON object {tokens, text, stats};
 otherwise the text, then a stats line on stderr.
@@ -46,6 +47,12 @@ flags.DEFINE_string("expert_budget", None, "Device bytes for routed experts: '8G
                     "of all routed-expert bytes like '25%' (default: every expert resident).")
 flags.DEFINE_enum("expert_policy", "frequency", ["static", "frequency", "lru", "slru"],
                   "Expert placement policy under --expert_budget.")
+flags.DEFINE_enum("kv_policy", None, ["snapkv"], "KV eviction at prefill: snapkv keeps --kv_budget positions per "
+                  "attention layer and KV head (the --kv_window last prompt tokens + the prefix positions they attend "
+                  "to most); decoding and MTP verify run on the compacted cache.")
+flags.DEFINE_integer("kv_budget", None, "SnapKV: KV positions kept per attention layer and KV head.")
+flags.DEFINE_integer("kv_window", None, "SnapKV: observation window (last prompt tokens, always kept; default 32).")
+flags.DEFINE_integer("kv_pool", None, "SnapKV: attention pooling width over neighbouring positions (default 7).")
 flags.DEFINE_integer("expert_parallel", None, "Shard the routed experts over N devices (a Mesh 'expert' axis; on "
                      "CPU, N forced host devices). Across hosts: with --coordinator_address.", lower_bound=1)
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0: call jax.distributed.initialize() "
@@ -75,7 +82,9 @@ def main(argv) -> int:
                                                               expert_policy=FLAGS.expert_policy)
         if FLAGS.expert_parallel is not None:
             budget["expert_parallel"] = FLAGS.expert_parallel
-        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget)
+        kv = dict(kv_policy=FLAGS.kv_policy, kv_budget=FLAGS.kv_budget, kv_window=FLAGS.kv_window,
+                  kv_pool=FLAGS.kv_pool)
+        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget, **kv)
         if engine.mesh is not None:
             parallel_info["devices"] = [str(d) for d in engine.mesh.devices.flat]
         sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
@@ -116,6 +125,9 @@ def main(argv) -> int:
                   f"{s['accepted']}/{s['drafted']} nodes accepted, {s['mean_accept_len']:.2f} tokens per trunk pass, "
                   f"per depth {', '.join(f'{x:.2f}' for x in s['accept_per_depth'])}; "
                   f"{s['snapshot_bytes_per_node']} snapshot bytes per node]", file=sys.stderr)
+        if s.get("kv_evicted"):
+            print(f"[SnapKV: {s['kv_evicted']} prompt positions evicted per attention layer and KV head; "
+                  f"{s['kv_slots']} of {s['kv_capacity']} KV slots in use at the end]", file=sys.stderr)
         if "experts" in s:
             e = s["experts"]
             print(f"[experts ({e['policy']}, {e['resident_fraction']:.0%} resident, budget "

@@ -12,6 +12,8 @@ Figures (each drawn when its records are present):
 - expert_reads_vs_batch.png: expert weight bytes read per token vs batch width N, per-token vs grouped.
 - hit_rate_vs_budget.png: expert residency hit rate vs expert budget, one line per placement policy
   (error bars where the hit rate varied between rounds: lru / slru).
+- snapkv_quality_vs_budget.png: SnapKV greedy agreement and logit relative L2 vs kv_budget, per model
+  (experiments.snapkv_quality).
 """
 
 from __future__ import annotations
@@ -188,6 +190,10 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
         ax.legend()
         _spread_note(ax, res)
         save(fig, "hit_rate_vs_budget.png")
+
+    snap = [r for r in records if "kv_budget" in r and "agreement" in r]
+    if snap:
+        save(_snapkv_figure(snap, plt), "snapkv_quality_vs_budget.png")
     return figs
 
 
@@ -214,6 +220,25 @@ def _tree_figure(plt, records, tree):
     ax_len.legend(fontsize=6)
     ax_tok.legend(fontsize=6)
     _spread_note(ax_tok, tree)
+    return fig
+
+
+def _snapkv_figure(records: list[dict[str, Any]], plt):
+    """SnapKV quality vs kv_budget (experiments.snapkv_quality): greedy agreement and logit relative L2
+    of the continuation against the full cache, one line per model."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for (model,), pts in sorted(_series(records, "kv_budget", "agreement", ["model"]).items(), key=str):
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(model))
+    for (model,), pts in sorted(_series(records, "kv_budget", "rel_l2", ["model"]).items(), key=str):
+        a2.plot([p[0] for p in pts], [max(p[1], 1e-9) for p in pts], marker="o", label=str(model))
+    a1.set_ylim(0, 1.02)
+    a1.set_ylabel("greedy agreement (teacher-forced)")
+    a2.set_yscale("log")
+    a2.set_ylabel("logit rel. L2, mean over steps")
+    for ax in (a1, a2):
+        ax.set_xlabel("kv_budget (positions kept per layer and KV head)")
+        ax.legend(fontsize=7)
+    fig.suptitle("SnapKV eviction: continuation vs the full cache")
     return fig
 
 

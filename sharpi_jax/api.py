@@ -22,6 +22,8 @@ from sharpi_jax.experts import residency as expert_residency
 from sharpi_jax.experts.provider import GGUFExperts
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
+from sharpi_jax.model import snapkv
+from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
@@ -47,6 +49,19 @@ def _check_dtype(dtype: Any) -> None:
                          "(bf16 cache updates are slow on XLA CPU)")
 
 
+def _kv_policy(kv_policy: Any, kv_budget: Any, kv_window: Any, kv_pool: Any, base: SnapKV | None) -> SnapKV | None:
+    """The KV eviction setting from options; kv_policy "default" and sizes None take `base`'s."""
+    if kv_policy == "default":
+        kv_policy = None if base is None else "snapkv"
+    if kv_policy is None and (kv_budget, kv_window, kv_pool) != (None, None, None):
+        raise InputError('kv_budget / kv_window / kv_pool need kv_policy="snapkv"')
+    if base is not None:
+        kv_budget = base.budget if kv_budget is None else kv_budget
+        kv_window = base.window if kv_window is None else kv_window
+        kv_pool = base.pool if kv_pool is None else kv_pool
+    return snapkv.policy(kv_policy, kv_budget, kv_window, kv_pool)
+
+
 class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""
 
@@ -55,8 +70,11 @@ class Engine:
                  expert_mode: str | None = None, row_kernel: str | None = None, gdn_chunk: int | None = None,
                  kernels: str | None = None, repack: str | None = "default", progress: bool | None = None,
                  expert_budget: int | None = None, expert_policy: str = "frequency", expert_parallel: int | None = None,
+                 kv_policy: str | None = None, kv_budget: int | None = None, kv_window: int | None = None,
+                 kv_pool: int | None = None,
                  **residency_options: Any):
         _check_dtype(dtype)
+        self.kv_policy: SnapKV | None = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, None)
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise InputError(f"max_context must be a positive integer, got {max_context!r}")
         if run_config is not None and not isinstance(run_config, RunConfig):
@@ -194,7 +212,9 @@ class Engine:
     def generate(self, ids_or_text: Any, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
-                 tree_nodes: int | None = None, max_snapshot_bytes: int | None = None) -> GenerateOutput:
+                 tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
+                 kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
+                 kv_pool: int | None = None) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
 
         speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
@@ -208,6 +228,15 @@ class Engine:
         (`sharpi_jax.runtime.tree`); same tokens as speculative=None. max_snapshot_bytes caps the GDN
         snapshots a pass keeps (one per node, stats["snapshot_bytes_per_node"]) by lowering tree_nodes.
         out.stats adds tree_nodes, accept_per_depth and snapshot_bytes_per_node.
+
+        kv_policy="snapkv": SnapKV eviction at prefill on the attention layers (trunk and MTP head): a
+        prompt longer than kv_budget keeps, per KV head, its last kv_window positions and the
+        kv_budget - kv_window prefix positions they attend to most (attention pooled over kv_pool
+        neighbours); decoding and speculative verify then run on the compacted cache of kv_budget +
+        max_new_tokens slots, and speculative output equals plain output with the same eviction.
+        "default": the engine's setting (`sj.load(kv_policy=...)`); None: no eviction; sizes left None
+        take the engine's, else kv_window 32 and kv_pool 7. out.stats adds kv_slots (KV slots in use at
+        the end), kv_evicted (prompt positions dropped per attention layer and KV head), kv_capacity.
         """
         if speculative not in SPECULATIVE_MODES:
             raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
@@ -222,19 +251,23 @@ class Engine:
         for name, v in (("tree_nodes", tree_nodes), ("max_snapshot_bytes", max_snapshot_bytes)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise InputError(f"{name} must be a positive integer, got {v!r}")
+        kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
+        if speculative == "mtp_tree" and kv is not None:
+            raise InputError("speculative='mtp_tree' over a SnapKV-evicted cache is not supported yet: use "
+                             "speculative='mtp' with kv_policy='snapkv', or mtp_tree without eviction")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if stop_on_eos else ()
         if speculative == "mtp":
             tokens, stats = generate_mtp(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                         int(draft_tokens), verify)
+                                         int(draft_tokens), verify, kv=kv)
         elif speculative == "mtp_tree":
             nodes = max(DEFAULT_TREE_NODES, int(draft_tokens)) if tree_nodes is None else int(tree_nodes)
             tokens, stats = generate_tree(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
                                           int(draft_tokens), nodes, verify, max_snapshot_bytes=max_snapshot_bytes)
         else:
-            tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids)
+            tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids, kv)
         if self.residency is not None:
             stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))
         shown = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
@@ -259,6 +292,8 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     expert_parallel=N: shard the routed experts by expert id over a Mesh of the first N devices (all
     hosts' after `jax.distributed.initialize()`), dense weights replicated; logits bitwise those of one
     device (`sharpi_jax.experts.parallel`). Not with an expert_budget or kernels="pallas" yet.
+    kv_policy (None | "snapkv"), kv_budget, kv_window, kv_pool: the default KV eviction of
+    `Engine.generate`.
     """
     if path is None:
         from sharpi_jax.assets import default_model_path

@@ -9,6 +9,10 @@ New rows are scattered to their positions first (invalid rows are dropped), then
 the WHOLE cache with the mask `kv_pos <= row_pos`. The reduction over S therefore has the same shape
 and order for a single decode row and for a row of a multi-row verify: masked entries contribute exact
 zeros, so per-row results are bitwise independent of how many rows are processed together.
+
+A compacted cache (SnapKV eviction) passes `slot_pos` [Hkv, S] (the logical position of each slot, per
+KV head) and `shift`: rows are written to slot position - shift and the mask is
+`slot_pos <= row_pos`, per KV head. Without them, slot s is position s (the original path, unchanged).
 """
 
 from __future__ import annotations
@@ -35,10 +39,15 @@ class GatedAttention(nnx.Module):
         self.k_norm = RMSNorm(hd, c.rms_eps)
 
     def __call__(self, x: jax.Array, positions: jax.Array, valid: jax.Array, cache_k: jax.Array,
-                 cache_v: jax.Array, tree: TreeRows | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] normed input, positions [T] int32, valid [T] bool -> (out [T, D], cache_k, cache_v).
+                 cache_v: jax.Array, tree: TreeRows | None = None, slot_pos: jax.Array | None = None,
+                 shift: jax.Array | None = None, with_q: bool = False):
+        """x [T, D] normed input, positions [T] int32 (logical), valid [T] bool -> (out [T, D], cache_k,
+        cache_v), plus the post-rope queries q [T, Hq, hd] with with_q (SnapKV's observation window).
         tree: draft-tree rows (K/V written to tree.slots, each row sees the context and its ancestors,
-        `sharpi_jax.model.tree`); positions[0] - tree.depth[0] is the tree's base position."""
+        `sharpi_jax.model.tree`); positions[0] - tree.depth[0] is the tree's base position.
+        slot_pos [Hkv, S], shift: an evicted (SnapKV-compacted) cache, `sharpi_jax.model.cache.AttnCache`."""
+        if tree is not None and slot_pos is not None:
+            raise ValueError("tree verify over an evicted (SnapKV) KV cache is not supported")
         T = x.shape[0]
         Hq, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
         G = Hq // Hkv
@@ -52,7 +61,10 @@ class GatedAttention(nnx.Module):
         k = rope_neox(self.k_norm(k), positions, self.n_rot, self.rope_base, self.rope_freq_scale)
 
         # Scatter the new rows; invalid (padding) rows get an out-of-range index and are dropped.
-        idx = jnp.where(valid, positions if tree is None else tree.slots, S)
+        if tree is not None:
+            idx = jnp.where(valid, tree.slots, S)
+        else:
+            idx = jnp.where(valid, positions if shift is None else positions - shift, S)
         cache_k = cache_k.at[:, idx, :].set(k.transpose(1, 0, 2), mode="drop")
         cache_v = cache_v.at[:, idx, :].set(v.transpose(1, 0, 2), mode="drop")
 
@@ -61,8 +73,12 @@ class GatedAttention(nnx.Module):
         if tree is not None:
             src = view_sources(tree.anc, positions[0] - tree.depth[0], S)
             scores = view_scores(scores, src)
-        mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= positions[:, None]  # [T, S]
-        mask = jnp.broadcast_to(mask[None], (G, T, S)).reshape(1, G * T, S)
+        if slot_pos is None:
+            mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= positions[:, None]  # [T, S]
+            mask = jnp.broadcast_to(mask[None], (G, T, S)).reshape(1, G * T, S)
+        else:
+            mask = slot_pos[:, None, :] <= positions[None, :, None]  # [Hkv, T, S]
+            mask = jnp.broadcast_to(mask[:, None], (Hkv, G, T, S)).reshape(Hkv, G * T, S)
         scores = jnp.where(mask, scores, -jnp.inf)
         p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
         p = p / jnp.sum(p, axis=-1, keepdims=True)
@@ -72,4 +88,5 @@ class GatedAttention(nnx.Module):
             o = view_values(p, cache_v, src)
         o = o.reshape(Hkv, G, T, hd).transpose(2, 0, 1, 3).reshape(T, Hq, hd)
         o = o * jax.nn.sigmoid(gate)
-        return self.w_o(o.reshape(T, Hq * hd)), cache_k, cache_v
+        out = self.w_o(o.reshape(T, Hq * hd))
+        return (out, cache_k, cache_v, q) if with_q else (out, cache_k, cache_v)

@@ -2,6 +2,9 @@
 
 - `AttnCache` (gated attention; also the MTP block): k and v [Hkv, S, hd], S = max_context,
   post-norm post-rope K and raw V. Positions past the committed length are stale and always masked.
+  Slot s holds position s, unless the cache was compacted (SnapKV eviction, `sharpi_jax.model.snapkv`):
+  then `slot_pos` [Hkv, S] int32 is the logical position each slot holds (per KV head) and a new row
+  at position p goes to slot p - `shift` (int32 scalar); RoPE and masks use logical positions.
 - `GDNCache` (Gated DeltaNet): conv [Kc-1, C], the raw pre-conv qkv rows of the last Kc-1 tokens,
   oldest first (time-major, the transpose of ggml's [C, Kc-1]); ssm [Hv, dv, dk], ggml's layout (the
   transpose of Hugging Face's per-head [dk, dv]).
@@ -21,10 +24,13 @@ from sharpi_jax.config import ModelConfig
 
 
 class AttnCache(NamedTuple):
-    """KV cache of one attention layer: k, v [Hkv, S, hd]."""
+    """KV cache of one attention layer: k, v [Hkv, S, hd]; slot_pos [Hkv, S] and shift [] (int32) only
+    for a compacted cache (None: slot s holds position s)."""
 
     k: jax.Array
     v: jax.Array
+    slot_pos: jax.Array | None = None
+    shift: jax.Array | None = None
 
 
 class GDNCache(NamedTuple):

@@ -48,18 +48,19 @@ class MTPHead(nnx.Module):
         self.lm_head = Linear(D, c.n_vocab)
 
     def __call__(self, tokens: jax.Array, h: jax.Array, start: jax.Array, n_valid: jax.Array,
-                 cache: AttnCache, tree: TreeRows | None = None) -> tuple[jax.Array, AttnCache]:
+                 cache: AttnCache, tree: TreeRows | None = None, with_q: bool = False):
         """Rows (tokens [T], h [T, D]) at positions start.. (rows >= n_valid are padding: no KV write,
         zero-weight experts), over the head's own KV cache. Returns (h' [T, D] post shared_head_norm,
-        cache). tree: draft-tree rows at positions start + tree.depth (`sharpi_jax.model.tree`)."""
+        cache), plus with_q the block's post-rope queries [T, Hq, hd] (SnapKV). tree: draft-tree rows at
+        positions start + tree.depth (`sharpi_jax.model.tree`)."""
         T = tokens.shape[0]
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + (rows if tree is None else tree.depth)
         valid = rows < n_valid
         c = jnp.concatenate([self.enorm(self.embed(tokens)), self.hnorm(h)], axis=-1)
         mode = "chunked" if tree is None else "recurrent"  # the MTP block is attention: the mode is moot
-        y, cache, _ = self.block(self.eh_proj(c), cache, positions, valid, mode, tree)
-        return self.shared_head_norm(y), cache
+        y, cache, _, q = self.block(self.eh_proj(c), cache, positions, valid, mode, tree, with_q=True)
+        return (self.shared_head_norm(y), cache, q) if with_q else (self.shared_head_norm(y), cache)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """LM head on post-norm rows [T >= 2, D] -> [T, V]."""

@@ -66,16 +66,17 @@ class Block(nnx.Module):
         self.ffn = MoE(c, experts) if c.is_moe else SwiGLU(c.d_model, c.dense_ff)
 
     def __call__(self, x: jax.Array, cache: LayerCache, positions: jax.Array, valid: jax.Array,
-                 mode: str = "chunked",
-                 tree: TreeRows | None = None) -> tuple[jax.Array, LayerCache, GDNCache | None]:
+                 mode: str = "chunked", tree: TreeRows | None = None, with_q: bool = False):
         """Rows x [T, D] at `positions` [T] int32; rows with valid [T] False are bucket padding (no KV
         write, no state change, zero-weight experts). Returns (x' [T, D], the block's new cache, the
         per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES. tree (mode "recurrent"):
-        draft-tree rows, each on its own root path (`sharpi_jax.model.tree`)."""
+        draft-tree rows, each on its own root path (`sharpi_jax.model.tree`). with_q: a fourth
+        output, an attention block's post-rope queries [T, Hq, hd] (None for a GDN block; SnapKV)."""
         a = self.attn_norm(x)
-        m, cache, snapshot = self._mix(a, cache, positions, valid, mode, tree)
+        m, cache, snapshot, q = self._mix(a, cache, positions, valid, mode, tree)
         h = x + m
-        return h + self.feed_forward(h, valid), cache, snapshot
+        out = h + self.feed_forward(h, valid), cache, snapshot
+        return out + (q,) if with_q else out
 
     def _mix(self, a, cache, positions, valid, mode, tree=None):
         if mode not in BLOCK_MODES:
@@ -83,16 +84,17 @@ class Block(nnx.Module):
         if tree is not None and mode != "recurrent":
             raise ValueError("draft-tree rows need mode 'recurrent'")
         if not self.is_recurrent:
-            m, k, v = self.mixer(a, positions, valid, cache.k, cache.v, tree)
-            return m, AttnCache(k, v), None
+            m, k, v, q = self.mixer(a, positions, valid, cache.k, cache.v, tree, cache.slot_pos, cache.shift,
+                                    with_q=True)
+            return m, cache._replace(k=k, v=v), None, q
         if mode == "recurrent":
             parent = None if tree is None else tree.parent
             m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm, parent)
-            return m, cache, GDNCache(conv_snaps, ssm_snaps)
+            return m, cache, GDNCache(conv_snaps, ssm_snaps), None
         n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
         form = self.mixer.chunked if mode == "chunked" else self.mixer.sequential
         m, conv, ssm = form(a, valid, n_valid, cache.conv, cache.ssm)
-        return m, GDNCache(conv, ssm), None
+        return m, GDNCache(conv, ssm), None, None
 
     def feed_forward(self, h: jax.Array, valid: jax.Array) -> jax.Array:
         u = self.post_norm(h)
@@ -113,7 +115,7 @@ class Transformer(nnx.Module):
         self.lm_head = Linear(c.d_model, c.n_vocab)
 
     def _trunk(self, state: tuple[LayerCache, ...], tokens: jax.Array, start: jax.Array, n_valid: jax.Array,
-               mode: str, tree: TreeRows | None = None):
+               mode: str, tree: TreeRows | None = None, queries: list | None = None):
         T = tokens.shape[0]
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + (rows if tree is None else tree.depth)
@@ -121,15 +123,22 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         caches, snapshots = [], []
         for blk, cache in zip(self.layers, state, strict=True):
-            x, cache, snapshot = blk(x, cache, positions, valid, mode, tree)
+            if queries is None:
+                x, cache, snapshot = blk(x, cache, positions, valid, mode, tree)
+            else:
+                x, cache, snapshot, q = blk(x, cache, positions, valid, mode, tree, with_q=True)
+                if q is not None:
+                    queries.append(q)
             caches.append(cache)
             snapshots.append(snapshot)
         return self.output_norm(x), tuple(caches), tuple(snapshots)
 
-    def prefill(self, state, tokens, start, n_valid, gdn: str = "chunked"):
-        """Rows [start, start + n_valid) of a padded bucket `tokens` [B]. Returns (hidden [B, D], state)."""
-        hidden, state, _ = self._trunk(state, tokens, start, n_valid, gdn)
-        return hidden, state
+    def prefill(self, state, tokens, start, n_valid, gdn: str = "chunked", with_q: bool = False):
+        """Rows [start, start + n_valid) of a padded bucket `tokens` [B]. Returns (hidden [B, D], state),
+        plus with_q the attention layers' post-rope queries (a tuple of [B, Hq, hd], trunk order)."""
+        queries = [] if with_q else None
+        hidden, state, _ = self._trunk(state, tokens, start, n_valid, gdn, queries=queries)
+        return (hidden, state, tuple(queries)) if with_q else (hidden, state)
 
     def rows(self, state, tokens, start, n_valid, tree: TreeRows | None = None):
         """T >= 2 rows with the recurrent GDN form. Returns (logits [T, V], hidden [T, D], state with the

@@ -8,6 +8,8 @@ from typing import Any, Collection, Sequence
 
 import jax
 
+from sharpi_jax.model.snapkv import SnapKV
+from sharpi_jax.runtime import kv_eviction
 from sharpi_jax.runtime.sampling import SamplingParams, sample
 from sharpi_jax.runtime.steps import Runtime
 
@@ -22,16 +24,17 @@ class GenerateOutput:
 
 
 def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop_ids: Collection[int] = ()) -> tuple[list[int], dict[str, Any]]:
+                 stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> tuple[list[int], dict[str, Any]]:
     """Generate up to max_new_tokens after `prompt` (validated by the caller). Returns (tokens, stats).
+    kv: SnapKV eviction at prefill (`kv_eviction`; None: keep every position).
 
     stats: prompt_tokens, generated_tokens, prefill_s, prefill_tok_s, decode_s, decode_tok_s
     (generated tokens per second after the prefill, sampling included), stop_reason
-    ("eos" | "max_new_tokens" | "max_context").
+    ("eos" | "max_new_tokens" | "max_context"), kv_slots, kv_evicted, kv_capacity (`kv_eviction.kv_stats`).
     """
     t0 = time.perf_counter()
-    state = runtime.new_state()
-    _, logits, state = runtime.prefill(state, prompt)
+    capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
+    _, logits, state, evicted = kv_eviction.prefill(runtime, prompt, kv, capacity)
     logits.block_until_ready()
     t1 = time.perf_counter()
     pos, out, stop = len(prompt), [], "max_new_tokens"
@@ -51,8 +54,8 @@ def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, s
         pos += 1
     jax.block_until_ready(logits)
     t2 = time.perf_counter()
-    return out, timing_stats(len(prompt), len(out), t0, t1, t2,
-                             stop if max_new_tokens > 0 else "max_new_tokens")
+    stats = timing_stats(len(prompt), len(out), t0, t1, t2, stop if max_new_tokens > 0 else "max_new_tokens")
+    return out, {**stats, **kv_eviction.kv_stats(evicted, pos, runtime.max_context)}
 
 
 def timing_stats(n_prompt: int, n_out: int, t0: float, t1: float, t2: float, stop: str) -> dict[str, Any]:

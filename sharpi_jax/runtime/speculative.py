@@ -46,6 +46,8 @@ from flax import nnx
 
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.mtp import MTPHead
+from sharpi_jax.model.snapkv import SnapKV
+from sharpi_jax.runtime import kv_eviction
 from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, sample
 from sharpi_jax.runtime.state import MTPCache, gdn_caches, init_mtp_cache, with_gdn
@@ -61,8 +63,8 @@ def _mtp_fns(graphdef, treedef):
     def merge(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def rows(params, cache, tokens, hs, start, n_valid):
-        return merge(params)(tokens, hs, start, n_valid, cache)
+    def rows(params, cache, tokens, hs, start, n_valid, with_q=False):
+        return merge(params)(tokens, hs, start, n_valid, cache, with_q=with_q)
 
     def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft):
         mtp = merge(params)
@@ -93,7 +95,8 @@ def _mtp_fns(graphdef, treedef):
     def logits(params, h):
         return merge(params).logits(h)
 
-    return (jax.jit(rows, donate_argnums=(1,)), jax.jit(draft, donate_argnums=(1,)), jax.jit(logits))
+    return (jax.jit(rows, donate_argnums=(1,), static_argnames=("with_q",)), jax.jit(draft, donate_argnums=(1,)),
+            jax.jit(logits))
 
 
 @jax.jit
@@ -134,16 +137,19 @@ class MTPRuntime:
     def new_cache(self) -> MTPCache:
         return init_mtp_cache(self.config, self.max_context)
 
-    def rows(self, cache: MTPCache, tokens, hs: jax.Array, start: int, n_valid: int):
+    def rows(self, cache: MTPCache, tokens, hs: jax.Array, start: int, n_valid: int, with_q: bool = False):
         """MTP rows (tokens[i], hs[i]) at MTP positions start + i, i < n_valid (a bucket of B >= 2 rows),
-        written to the cache. Returns (h' [B, D], cache)."""
-        return self._rows(self.params, cache, np.asarray(tokens, np.int32), hs, np.int32(start), np.int32(n_valid))
+        written to the cache. Returns (h' [B, D], cache), plus with_q the queries [B, Hq, hd]."""
+        return self._rows(self.params, cache, np.asarray(tokens, np.int32), hs, np.int32(start), np.int32(n_valid),
+                          with_q=with_q)
 
-    def prefill(self, cache: MTPCache, ids: Sequence[int], chunks, zero_h_first: bool = False):
+    def prefill(self, cache: MTPCache, ids: Sequence[int], chunks, zero_h_first: bool = False,
+                queries: list | None = None):
         """Catch the MTP KV up over a trunk prefill of ids at positions 0.. (`chunks` = the trunk's
         [(hidden [B, D], n_valid)]): pairs (ids[p], h[p-1]) at MTP position p - 1 for p >= 1, or, with
         zero_h_first (llama.cpp), pairs (ids[p], h[p-1]) at position p including (ids[0], h = 0).
-        Returns (cache, h of the last id, [(h' [B, D], rows valid)] per chunk)."""
+        Returns (cache, h of the last id, [(h' [B, D], rows valid)] per chunk). queries (a list):
+        receives ((q [B, Hq, hd],), rows valid) per MTP bucket (SnapKV)."""
         n, out, off = len(ids), [], 0
         h_prev = jnp.zeros((self.config.d_model,), jnp.float32)
         for hidden, m in chunks:
@@ -155,8 +161,10 @@ class MTPRuntime:
             if cnt > 0:
                 bucket = np.zeros(B, np.int32)
                 bucket[:cnt] = toks[:cnt]
-                hp, cache = self.rows(cache, bucket, hs, off, cnt)
+                hp, cache, *q = self.rows(cache, bucket, hs, off, cnt, with_q=queries is not None)
                 out.append((hp, cnt))
+                if queries is not None:
+                    queries.append((tuple(q), cnt))
             h_prev = _row(hidden, np.int32(m - 1))
             off += m
         return cache, h_prev, out
@@ -196,9 +204,17 @@ class MTPDecoder:
 
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, verify: str = "batched",
                  width: int | None = None, full_rows: bool = False, trace: list | None = None,
-                 zero_h_first: bool = False):
+                 zero_h_first: bool = False, kv: SnapKV | None = None, kv_capacity: int | None = None,
+                 mtp_kv: str = "snapkv"):
+        """kv, kv_capacity: SnapKV eviction at prefill into caches of kv_capacity slots (`kv_eviction`);
+        mtp_kv: "snapkv" evicts the MTP head's own KV by the same rule, "keep" keeps it whole."""
         if verify not in VERIFY_MODES:
             raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if mtp_kv not in kv_eviction.MTP_KV_MODES:
+            raise InputError(f"mtp_kv must be one of {kv_eviction.MTP_KV_MODES}, got {mtp_kv!r}")
+        if kv is not None and kv_capacity is None:
+            raise InputError("a kv policy needs kv_capacity (kv_budget + max_new_tokens)")
+        self.kv, self.kv_capacity, self.mtp_kv = kv, kv_capacity, mtp_kv
         self.rt, self.mtp, self.k, self.verify = runtime, mtp, int(draft_tokens), verify
         self.K = int(width) if width is not None else self.k
         if not 1 <= self.k <= self.K:
@@ -210,8 +226,12 @@ class MTPDecoder:
     def prefill(self, ids: Sequence[int]) -> jax.Array:
         """Trunk prefill + MTP KV over ids (positions 0..n-1). Returns the last row's logits [V]."""
         rt = self.rt
-        chunks, logits, state = rt.prefill(rt.new_state(), ids)
-        cache, h_last, _ = self.mtp.prefill(self.mtp.new_cache(), ids, chunks, self.zero_h_first)
+        chunks, logits, state, self.evicted = kv_eviction.prefill(rt, ids, self.kv, self.kv_capacity)
+        if self.evicted is not None and self.mtp_kv == "snapkv":
+            cache, h_last = kv_eviction.mtp_prefill(self.mtp, ids, chunks, self.zero_h_first, self.kv,
+                                                    self.kv_capacity)
+        else:
+            cache, h_last, _ = self.mtp.prefill(self.mtp.new_cache(), ids, chunks, self.zero_h_first)
         self.state, self.cache, self.P = state, cache, len(ids)
         self._commit = None  # batched: (snaps, a) of the last pass, applied inside the next trunk pass
         D = rt.config.d_model
@@ -228,8 +248,8 @@ class MTPDecoder:
         if not 0 <= n_draft <= self.K:
             raise InputError(f"n_draft must be in [0, {self.K}], got {n_draft}")
         P = self.P
-        if P + n_draft >= self.rt.max_context:
-            raise InputError(f"a pass at position {P} with {n_draft} drafts exceeds max_context")
+        if n_draft > self.max_drafts():
+            raise InputError(f"a pass at position {P} with {n_draft} drafts exceeds max_context or the KV slots")
         t0 = time.perf_counter()
         toks = np.zeros(self.K + 2, np.int32)
         n_valid = len(self._pend) + 1
@@ -248,6 +268,14 @@ class MTPDecoder:
         self._pend, self._pend_start, self._h_prev, self._hidden = [t] + accepted, P, h_t, hidden
         self.P = P + a + 1
         return accepted, nxt, n_draft
+
+    def max_drafts(self) -> int:
+        """The most drafts the next pass may verify: its rows must fit max_context and, on a compacted
+        cache, its kv_capacity slots (the evicted cache is sized for the tokens still to come)."""
+        room = self.rt.max_context - 1 - self.P
+        if self.evicted is not None:
+            room = min(room, self.evicted.capacity - 1 - self.evicted.slot(self.P))
+        return min(self.K, room)
 
     def _targets(self, row: Callable[[int], jax.Array], drafts: np.ndarray, n_draft: int,
                  sampling: SamplingParams, index: int, greedy_rows: np.ndarray | None) -> tuple[list[int], int]:
@@ -343,18 +371,22 @@ def _pass_stats(k: int, passes: list[tuple[int, int]]) -> dict[str, Any]:
 def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                  verify: str = "batched", width: int | None = None, full_rows: bool = False,
-                 trace: list | None = None, zero_h_first: bool = False) -> tuple[list[int], dict[str, Any]]:
-    """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
+                 trace: list | None = None, zero_h_first: bool = False, kv: SnapKV | None = None,
+                 mtp_kv: str = "snapkv") -> tuple[list[int], dict[str, Any]]:
+    """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments
+    (kv: the same SnapKV eviction; mtp_kv: evict the MTP head's KV too, or keep it whole).
 
     stats: those of `generate_ids` (prompt_tokens, generated_tokens, prefill_s, prefill_tok_s (trunk +
     MTP prompt processing), decode_s, decode_tok_s, stop_reason) plus speculative, draft_tokens,
     verify, drafted (draft tokens verified), accepted, verify_passes, acceptance_rate
     (accepted / drafted), mean_accept_len (mean over passes of accepted drafts + 1 = tokens per
     trunk pass), accept_per_position (k fractions: position i accepted, over the passes that drafted
-    it), draft_s and verify_s (MTP vs trunk time; the rest of decode_s is host bookkeeping).
+    it), draft_s and verify_s (MTP vs trunk time; the rest of decode_s is host bookkeeping), kv_slots,
+    kv_evicted, kv_capacity (`kv_eviction.kv_stats`).
     """
     t0 = time.perf_counter()
-    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first)
+    capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
+    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first, kv, capacity, mtp_kv)
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     out: list[int] = []
@@ -377,7 +409,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
         if dec.P >= runtime.max_context:
             stop = "max_context"
             break
-        n_draft = min(dec.k, runtime.max_context - 1 - dec.P)
+        n_draft = min(dec.k, dec.max_drafts())
         accepted, nxt, _ = dec.step(out[-1], n_draft, sampling, len(out) - 1)
         passes.append((n_draft, len(accepted)))
         emit = accepted + [nxt]
@@ -390,6 +422,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
         **_pass_stats(dec.k, passes),
         "draft_s": dec.draft_s,
         "verify_s": dec.verify_s,
+        **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context),
     }
     return out, stats
 

@@ -4,7 +4,9 @@ upcasts the whole buffer, so CPU caches stay f32).
 `DecodeState`: a tuple with one cache per trunk layer, in trunk order: `AttnCache(k, v)` for an
 attention layer, `GDNCache(conv, ssm)` for a Gated DeltaNet layer (layouts in `sharpi_jax.model.cache`).
 The committed length (number of positions filled) lives on the host; positions >= length in the KV
-caches are stale and always masked. Rollback = choose a GDN snapshot and set the length.
+caches are stale and always masked. Rollback = choose a GDN snapshot and set the length. A cache
+compacted by SnapKV eviction (`sharpi_jax.runtime.kv_eviction`) works the same way with slot =
+position - shift: rows past the length sit in slots whose logical positions are masked.
 
 `Snapshots` (from a multi-row recurrent step): per trunk layer, a `GDNCache` of per-row states
 (conv [T, Kc-1, C], ssm [T, Hv, dv, dk]; index t is the state right after row t) for a GDN layer,
@@ -65,6 +67,15 @@ def with_gdn(state: DecodeState, gdn: Sequence[GDNCache]) -> DecodeState:
     out = tuple(next(it) if isinstance(c, GDNCache) else c for c in state)
     if next(it, None) is not None:
         raise ValueError("more GDN caches than GDN layers")
+    return out
+
+
+def with_attention(state: DecodeState, attn: Sequence[AttnCache]) -> DecodeState:
+    """`state` with its attention layers' caches replaced by `attn` (in trunk order)."""
+    it = iter(attn)
+    out = tuple(next(it) if isinstance(c, AttnCache) else c for c in state)
+    if next(it, None) is not None:
+        raise ValueError("more attention caches than attention layers")
     return out
 
 

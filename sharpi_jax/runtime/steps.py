@@ -12,7 +12,8 @@ the same architecture and quant layout share them.
 MTP speculative decoding (issue 4) composes these: prefill -> (chain of drafts) -> verify_step over
 [t, d1..dk] -> accept a drafts -> commit(snapshot a) and set the host length to P + a + 1 (KV rows past
 it are stale and masked, then overwritten). `hidden` rows are the final-normed trunk states the MTP
-head consumes.
+head consumes. Every step also runs on a state whose attention caches were compacted by SnapKV
+(`kv_eviction`): positions stay logical (RoPE, masks), rows land in slot position - shift.
 """
 
 from __future__ import annotations
@@ -71,12 +72,13 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
     def cache_out(model):
         return tuple(jax.tree.leaves(nnx.state(model, ExpertCache)))
 
-    def prefill(params, cache, state, tokens, start, n_valid, gdn="chunked"):
+    def prefill(params, cache, state, tokens, start, n_valid, gdn="chunked", with_q=False):
         model = merge(params, cache)
-        hidden, state = model.prefill(state, tokens, start, n_valid, gdn)
+        hidden, state, *queries = model.prefill(state, tokens, start, n_valid, gdn, with_q)
+        queries = queries[0] if with_q else ()  # with_q: the attention layers' queries, flat
         last = jax.lax.dynamic_index_in_dim(hidden, jnp.maximum(n_valid - 1, 0), keepdims=True)
         logits = model.lm_head(jnp.concatenate([last, last]))[0]  # 2 rows: the row-stable kernel
-        return hidden, logits, state, cache_out(model)
+        return (hidden, logits, state, cache_out(model), *queries)
 
     def head(params, cache, hidden):
         return merge(params, cache).lm_head(hidden)
@@ -109,7 +111,7 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
 
     return SimpleNamespace(
         tree_commit_verify=jax.jit(tree_commit_verify, donate_argnums=(1, 2, 3)),
-        prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=("gdn",)),
+        prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=("gdn", "with_q")),
         head=jax.jit(head),
         decode=jax.jit(decode, donate_argnums=(1, 2)),
         verify=jax.jit(verify, donate_argnums=(1, 2)),
@@ -146,11 +148,14 @@ class Runtime:
         """A zeroed state for a new sequence."""
         return init_state(self.config, self.max_context)
 
-    def prefill(self, state: DecodeState, ids: Sequence[int], start: int = 0, gdn: str = "chunked"):
+    def prefill(self, state: DecodeState, ids: Sequence[int], start: int = 0, gdn: str = "chunked",
+                queries: list | None = None):
         """Run prompt ids at positions start.. in bucketed chunks.
 
         Returns (chunks, last_logits [V], state): chunks is a list of (hidden [B, D], n_valid) per
         chunk (device arrays, rows >= n_valid are padding); last_logits is for the last prompt row.
+        queries (a list): receives, per chunk, (the attention layers' post-rope queries, a tuple of
+        [B, Hq, hd], n_valid) (SnapKV's observation window), from a separately compiled prefill.
         """
         ids = np.asarray(ids, dtype=np.int32)
         n = len(ids)
@@ -162,8 +167,11 @@ class Runtime:
         for B, m in prefill_plan(n, self.prefill_buckets):
             toks = np.zeros(B, np.int32)
             toks[:m] = ids[off:off + m]
-            hidden, logits, state, self.cache = self._fns.prefill(self.params, self.cache, state, toks,
-                                                                  np.int32(start + off), np.int32(m), gdn=gdn)
+            hidden, logits, state, self.cache, *qs = self._fns.prefill(
+                self.params, self.cache, state, toks, np.int32(start + off), np.int32(m), gdn=gdn,
+                with_q=queries is not None)
+            if queries is not None:
+                queries.append((tuple(qs), m))
             chunks.append((hidden, m))
             off += m
         return chunks, logits, state

@@ -73,6 +73,15 @@ COMMANDS = {
     "test_bench_moe": ("bench_moe", lambda t: [
         "--sizes=1,8", "--qtype=q8_0", "--n_expert=16", "--top_k=4", "--d_ff=32", "--d_model=64", "--repeats=2",
         f"--json_out={t / 'moe.jsonl'}"]),
+    "test_snapkv_quality": ("snapkv_quality", lambda t: [
+        "--models=default", "--budgets=40,400", "--kv_window=8", "--kv_pool=3", "--new_tokens=6",
+        "--prompt_tokens=64", "--mtp_k=0", "--max_context=96", f"--out={t / 'snap.jsonl'}",
+        f"--plot_dir={t / 'plots'}"]),
+    "test_generate_snapkv_flags": ("generate", lambda t: [
+        "--kv_policy=snapkv", "--kv_budget=8", "--kv_window=4", "--kv_pool=3", "--max_new_tokens=4",
+        "--max_context=64", "--speculative=mtp", "--draft_tokens=2", "--json",
+        "--prompt=def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"]),
+    "test_generate_snapkv_bad_budget": ("generate", lambda t: ["--kv_policy=snapkv", "--kv_budget=4", "--kv_window=8"]),
     "test_info": ("info", lambda t: ["--json"]),
     "test_info_text": ("info", lambda t: []),
     "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
@@ -141,6 +150,31 @@ def test_generate_compare_needs_mtp(runs, request):
     _, res = result(runs, request)
     assert res.returncode == 2 and res.stdout == ""
     assert own_lines(res.stderr) == ["error: --compare times MTP off against MTP: add --speculative=mtp"]
+
+
+def test_snapkv_quality(runs, request):
+    """The SnapKV quality sweep: one record per budget below the prompt (400 is skipped) and the figure.
+    (--mtp_k=0 keeps it short: MTP on evicted caches is tested in tests/runtime/test_snapkv.py.)"""
+    tmp, res = result(runs, request)
+    assert "wrote 1 records" in ok(res).stdout
+    (r,) = jsonl(tmp / "snap.jsonl")
+    assert r["kv_budget"] == 40 and r["prompt_tokens"] == 64 and r["kv_evicted"] == 24
+    assert 0 <= r["agreement"] <= 1 and r["rel_l2"] >= 0 and 0 <= r["first_divergence"] <= 6
+    assert (tmp / "plots" / "snapkv_quality_vs_budget.png").stat().st_size > 5000
+
+
+def test_generate_snapkv_flags(runs, request):
+    """--kv_policy=snapkv with MTP: the prompt is evicted down to the budget; stats say so."""
+    _, res = result(runs, request)
+    s = json.loads(ok(res).stdout.strip().splitlines()[-1])["stats"]
+    assert s["kv_evicted"] == s["prompt_tokens"] - 8 > 0 and s["kv_capacity"] == 8 + 4
+    assert s["kv_slots"] <= s["kv_capacity"] and s["generated_tokens"] == 4
+
+
+def test_generate_snapkv_bad_budget(runs, request):
+    """A budget below the window is a clear error, not a traceback."""
+    _, res = result(runs, request)
+    assert res.returncode == 2 and "kv_budget (4) must be at least kv_window (8)" in res.stderr
 
 
 def test_info(runs, request):

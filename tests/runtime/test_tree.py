@@ -224,3 +224,5 @@ def test_engine_generate_tree_api():
             e.generate(prompt, max_new_tokens=4, speculative="mtp_tree", **kw)
     with pytest.raises(InputError, match="mtp_tree"):
         e.generate(prompt, max_new_tokens=4, speculative="mtp", tree_nodes=8)
+    with pytest.raises(InputError, match="SnapKV"):  # not combined yet: a clear error, not a wrong cache
+        e.generate(prompt, max_new_tokens=4, speculative="mtp_tree", kv_policy="snapkv", kv_budget=64)
