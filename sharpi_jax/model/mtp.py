@@ -50,8 +50,8 @@ class MTPHead(nnx.Module):
                  cache: AttnCache) -> tuple[jax.Array, AttnCache]:
         """Rows (tokens [T], h [T, D]) at positions start.. (rows >= n_valid are padding: no KV write,
         zero-weight experts), over the head's own KV cache. Returns (h' [T, D] post shared_head_norm,
-        cache)."""
-        T = tokens.shape[0]
+        cache). Also a batch of sequences (training): tokens [B, T], h [B, T, D], a cache [B, ...]."""
+        T = tokens.shape[-1]
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + rows
         valid = rows < n_valid

@@ -15,6 +15,7 @@ Two forward forms share every layer except the GDN kernel (the block's `mode`):
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -58,7 +59,7 @@ class Block(nnx.Module):
         self.is_recurrent = c.is_recurrent(layer)
         self.attn_norm = RMSNorm(c.d_model, c.rms_eps)
         self.post_norm = RMSNorm(c.d_model, c.rms_eps)
-        self.mixer = GatedDeltaNet(c, run.gdn_chunk) if self.is_recurrent else GatedAttention(c)
+        self.mixer = GatedDeltaNet(c, run.gdn_chunk, run.gdn_solve) if self.is_recurrent else GatedAttention(c)
         self.is_moe = c.is_moe
         if c.is_moe and experts is None:
             raise ValueError(f"block {layer} of a MoE model needs its routed experts (an ExpertProvider)")
@@ -68,9 +69,16 @@ class Block(nnx.Module):
                  mode: str = "chunked") -> tuple[jax.Array, LayerCache, GDNCache | None]:
         """Rows x [T, D] at `positions` [T] int32; rows with valid [T] False are bucket padding (no KV
         write, no state change, zero-weight experts). Returns (x' [T, D], the block's new cache, the
-        per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES."""
+        per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES.
+
+        A batch of sequences (training): x [B, T, D] with a cache of per-sequence caches [B, ...]
+        (positions and valid shared): the mixer runs per sequence, the FFN on all B*T rows at once."""
         a = self.attn_norm(x)
-        m, cache, snapshot = self._mix(a, cache, positions, valid, mode)
+        if x.ndim == 3:
+            mix = jax.vmap(functools.partial(self._mix, mode=mode), in_axes=(0, 0, None, None))
+            m, cache, snapshot = mix(a, cache, positions, valid)
+        else:
+            m, cache, snapshot = self._mix(a, cache, positions, valid, mode)
         h = x + m
         return h + self.feed_forward(h, valid), cache, snapshot
 
@@ -89,6 +97,10 @@ class Block(nnx.Module):
         return m, GDNCache(conv, ssm), None
 
     def feed_forward(self, h: jax.Array, valid: jax.Array) -> jax.Array:
+        if h.ndim == 3:  # a batch of sequences: all B*T rows at once
+            B, T, D = h.shape
+            rows = jnp.broadcast_to(valid, (B, T)).reshape(B * T)
+            return self.feed_forward(h.reshape(B * T, D), rows).reshape(B, T, D)
         u = self.post_norm(h)
         return self.ffn(u, valid) if self.is_moe else self.ffn(u)
 
@@ -108,7 +120,7 @@ class Transformer(nnx.Module):
 
     def _trunk(self, state: tuple[LayerCache, ...], tokens: jax.Array, start: jax.Array, n_valid: jax.Array,
                mode: str):
-        T = tokens.shape[0]
+        T = tokens.shape[-1]  # tokens [T], or [B, T] for a batch of sequences (training)
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + rows
         valid = rows < n_valid
@@ -121,7 +133,8 @@ class Transformer(nnx.Module):
         return self.output_norm(x), tuple(caches), tuple(snapshots)
 
     def prefill(self, state, tokens, start, n_valid, gdn: str = "chunked"):
-        """Rows [start, start + n_valid) of a padded bucket `tokens` [B]. Returns (hidden [B, D], state)."""
+        """Rows [start, start + n_valid) of a padded bucket `tokens` [B]. Returns (hidden [B, D], state).
+        Also a batch of sequences: tokens [N, B] with a state of per-sequence caches [N, ...]."""
         hidden, state, _ = self._trunk(state, tokens, start, n_valid, gdn)
         return hidden, state
 

@@ -4,6 +4,7 @@ deterministically, and llama.cpp (optional) continues a prompt with the same gre
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -17,9 +18,10 @@ from sharpi_jax.assets import ASSETS_DIR
 from sharpi_jax.gguf import GGUFFile
 from sharpi_jax.gguf.tokenizer import train_byte_level_bpe
 from sharpi_jax.gguf.writer import export_model_gguf
-from sharpi_jax.model.gated_delta_net import delta_rule_recurrent
+from sharpi_jax.model.gated_delta_net import delta_rule_chunked, delta_rule_recurrent
 from sharpi_jax.training import model as tm
 from sharpi_jax.training import trainer
+from tests.bitwise import assert_bitwise_equal
 from tests.conftest import REPO_ROOT, fixture_path, load_references
 
 DEFAULT_Q8 = ASSETS_DIR / "default.gguf"
@@ -124,19 +126,28 @@ def test_chunked_delta_rule_matches_recurrence():
     beta = 1 / (1 + np.exp(-rng.normal(size=(B, T, H))))
     g = -np.exp(rng.normal(size=(B, T, H)))
     q, k, v, beta, g = (jnp.asarray(x, jnp.float32) for x in (q, k, v, beta, g))
-    ref = jax.jit(jax.vmap(lambda *a: delta_rule_recurrent(*a, jnp.zeros((H, dv, dk)), 0.3)[0]))(q, k, v, beta, g)
+    S0 = jnp.zeros((H, dv, dk))
+    ref = jax.jit(jax.vmap(lambda *a: delta_rule_recurrent(*a, S0, 0.3)[0]))(q, k, v, beta, g)
     for chunk in (16, 64):  # 3 chunks with padding; one chunk of T
-        o = jax.jit(tm.delta_rule_chunked, static_argnums=(5, 6))(q, k, v, beta, g, 0.3, chunk)
+        train = jax.vmap(lambda *a: delta_rule_chunked(*a, S0, 0.3, chunk, solve="inverse")[0])  # noqa: B023
+        o = jax.jit(train)(q, k, v, beta, g)
         assert rel_l2(o, ref) <= 1e-5
 
 
 def test_capacity_moe_equals_dense_without_overflow(config):
     params = {k: jnp.asarray(v) for k, v in tm.init_params(config, seed=1).items()}
     u = jnp.asarray(np.random.default_rng(1).normal(size=(2, 24, config.d_model)), jnp.float32)
-    moe = jax.jit(tm.moe, static_argnums=(1, 2, 4))
-    dense, _, _ = moe(params, "blk.0", config, u, None)
-    routed, _, kept = moe(params, "blk.0", config, u, config.n_expert / config.n_expert_used)
-    assert float(kept) == 1.0
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def moe(params, capacity_factor):  # block 0's MoE FFN on all 2 x 24 rows
+        ffn = tm.build(params, config, capacity_factor=capacity_factor).trunk.layers[0].ffn
+        out = ffn(u.reshape(-1, config.d_model))
+        return (out, *tm.routing(ffn))
+
+    dense, probs, _ = moe(params, None)
+    routed, probs_routed, kept = moe(params, config.n_expert / config.n_expert_used)
+    assert float(kept) == 1.0 and probs.shape == (48, config.n_expert)
+    assert_bitwise_equal(probs_routed, probs)
     assert rel_l2(routed, dense) <= 1e-6
 
 
