@@ -1,4 +1,5 @@
-"""GGUF tensors -> Transformer params: one table from param path to GGUF name(s) and a transform.
+"""GGUF tensors -> Transformer params: one table from param path to GGUF name(s) and a transform (the
+recipes; training builds the same params from float arrays by them).
 
 Every matrix keeps its GGUF encoding: a Linear holds the file's `[out, in]` rows as QTensors in the
 layout the `MatrixFormat` chooses (kernel backend + explicit repacking, `sharpi_jax.quant`); fused
