@@ -24,6 +24,7 @@ REPACKS = (None, "int8", "auto")  # explicit matrix repackings (sharpi_jax.quant
 # Prefill chunk sizes: a 128-token prompt runs as one 128-row chunk, not as a half-padding 256-row one.
 DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
 DEFAULT_GDN_CHUNK = 64
+GDN_SOLVES = ("substitution", "inverse")  # how the chunked GDN form solves its triangular system
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class RunConfig:
         bits from each other; within one kernel, batched verify equals sequential decode bit for bit.
     prefill_buckets: prefill chunk sizes (sorted, distinct, positive), each compiled once.
     gdn_chunk: chunk length of the chunked Gated DeltaNet form (prefill); changes prefill's last bits.
+    gdn_solve: how that form solves its unit lower-triangular system per chunk: "substitution" (row by
+        row in a loop; inference) or "inverse" (the inverse as a product of matrix powers: all
+        matmuls, much cheaper to differentiate; training). Equal up to float rounding.
     kernels: the matmul backend, "auto" (Pallas on a GPU, XLA elsewhere), "xla", "pallas" (then the
         routed experts use the Pallas kernels too) or "reference" (exact dequantization + f32 dot).
     repack: explicit repacking of quantized matrices on XLA: "auto" (int8 rows for matrices of >= 4M
@@ -49,6 +53,7 @@ class RunConfig:
     row_kernel: str = "gemm"
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     gdn_chunk: int = DEFAULT_GDN_CHUNK
+    gdn_solve: str = "substitution"
     kernels: str = "auto"
     repack: str | None = "auto"
 
@@ -72,6 +77,8 @@ class RunConfig:
         if isinstance(self.gdn_chunk, bool) or not isinstance(self.gdn_chunk, (int, np.integer)) or self.gdn_chunk < 1:
             raise InputError(f"gdn_chunk must be a positive integer, got {self.gdn_chunk!r}")
         object.__setattr__(self, "gdn_chunk", int(self.gdn_chunk))
+        if self.gdn_solve not in GDN_SOLVES:
+            raise InputError(f"gdn_solve must be one of {GDN_SOLVES}, got {self.gdn_solve!r}")
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed (validated again); None values leave a field as it is."""

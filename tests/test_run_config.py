@@ -34,6 +34,12 @@ def test_bad_values_are_named(field, bad):
         sj.load(max_context=64, **{field: bad})
 
 
+def test_gdn_solve_is_validated():
+    assert RunConfig(gdn_solve="inverse").gdn_solve == "inverse" and RunConfig().gdn_solve == "substitution"
+    with pytest.raises(InputError, match="gdn_solve"):
+        RunConfig(gdn_solve="lu")
+
+
 def test_load_threads_the_run_config():
     e = sj.load(max_context=64, run_config=RunConfig(prefill_buckets=(16,), row_kernel="gemv"), expert_mode="per_token")
     assert e.run_config == RunConfig(prefill_buckets=(16,), row_kernel="gemv", expert_mode="per_token")

@@ -11,6 +11,8 @@ T-row step give bitwise-equal outputs and per-row state snapshots. The chunked f
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -66,11 +68,23 @@ def unit_lower_solve(A: jax.Array, rhs: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, A.shape[-1], body, jnp.zeros_like(rhs))
 
 
-def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK):
+def unit_lower_inverse(A: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C] as sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...
+    (A is nilpotent, so ceil(log2 C) factors are exact). All matmuls: cheap to differentiate."""
+    X = jnp.eye(A.shape[-1], dtype=A.dtype) - A
+    P = A
+    for _ in range(max(0, math.ceil(math.log2(A.shape[-1])) - 1)):
+        P = P @ P
+        X = X + X @ P
+    return X
+
+
+def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK, solve: str = "substitution"):
     """Chunked WY form of the same recurrence (Hugging Face's `chunk_gated_delta_rule`, no clamps).
 
     Shapes as `delta_rule_recurrent`; S [H, dv, dk]. Tokens with beta = g = 0 and k = v = 0 leave the
-    state unchanged, which is how padding is made inert.
+    state unchanged, which is how padding is made inert. solve: "substitution" (`unit_lower_solve`) or
+    "inverse" (`unit_lower_inverse`; `RunConfig.gdn_solve`).
     """
     T, H, dk = k.shape
     dv = v.shape[-1]
@@ -92,7 +106,8 @@ def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK):
     vb = v * beta[..., None]
     A = jnp.where(strict, jnp.einsum("nhid,nhjd->nhij", kb, k) * decay, 0.0)
     rhs = jnp.concatenate([vb, kb * jnp.exp(gam)[..., None]], axis=-1)
-    X = unit_lower_solve(A, rhs)  # (I + A)^{-1} [v_b, k_b e^gamma]
+    # (I + A)^{-1} [v_b, k_b e^gamma]
+    X = unit_lower_inverse(A) @ rhs if solve == "inverse" else unit_lower_solve(A, rhs)
     U, W = X[..., :dv], X[..., dv:]
     qk = jnp.where(incl, jnp.einsum("nhid,nhjd->nhij", q, k) * decay, 0.0)
     qg = q * jnp.exp(gam)[..., None]
@@ -114,9 +129,9 @@ def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK):
 class GatedDeltaNet(nnx.Module):
     """GDN mixer: fused input projection [qkv | z | beta | alpha], causal conv, delta rule, gated norm."""
 
-    def __init__(self, c: ModelConfig, chunk: int = GDN_CHUNK):
-        """chunk: the chunk length of the chunked form (`RunConfig.gdn_chunk`)."""
-        self.chunk = int(chunk)
+    def __init__(self, c: ModelConfig, chunk: int = GDN_CHUNK, solve: str = "substitution"):
+        """chunk, solve: the chunked form's chunk length and solver (`RunConfig.gdn_chunk`, `gdn_solve`)."""
+        self.chunk, self.solve = int(chunk), solve
         self.Hk, self.Hv, self.dk = c.ssm_n_group, c.ssm_dt_rank, c.ssm_d_state
         self.dv = c.ssm_d_inner // c.ssm_dt_rank
         self.conv_dim, self.kc, self.eps = c.conv_dim, c.ssm_conv_kernel, c.rms_eps
@@ -230,7 +245,8 @@ class GatedDeltaNet(nnx.Module):
         m = valid[:, None]
         beta, g = jnp.where(m, beta, 0.0), jnp.where(m, g, 0.0)
         k, v = jnp.where(m[..., None], k, 0.0), jnp.where(m[..., None], v, 0.0)
-        o, S = delta_rule_chunked(q, k, v, beta, g, ssm_state, self.scale, self.chunk if chunk is None else chunk)
+        o, S = delta_rule_chunked(q, k, v, beta, g, ssm_state, self.scale, self.chunk if chunk is None else chunk,
+                                  self.solve)
         return self._finish(o, z), new_conv, S
 
     def sequential(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,

@@ -54,6 +54,9 @@ class Linear(nnx.Module):
         return tuple(self.w.get_value())
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x [M, d_in] -> [M, d_out]; leading batch axes [..., d_in] are flattened into one matmul."""
+        if x.ndim > 2:
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         ys = [matmul(x, p) for p in self.parts()]
         return ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
 

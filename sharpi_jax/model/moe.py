@@ -50,8 +50,11 @@ class MoE(nnx.Module):
     fused into one [D, E+1] f32 matrix (one row-stable matmul instead of a matmul and a matvec)."""
 
     def __init__(self, c: ModelConfig, experts: nnx.Module):
-        """experts: the layer's `ExpertProvider`."""
+        """experts: the layer's `ExpertProvider`. Set `record_router` (e.g. `nnx.Module.set_attributes`)
+        to sow the router probabilities [N, E] of every call (`nnx.Intermediate` "router_probs"; training's
+        load-balance loss)."""
         self.n_expert, self.k = c.n_expert, c.n_expert_used
+        self.record_router = False
         self.has_shared = c.shared_expert_ff > 0
         self.router = Linear(c.d_model, c.n_expert + (1 if self.has_shared else 0))
         self.experts = experts
@@ -61,7 +64,10 @@ class MoE(nnx.Module):
         """u [N, D] normed rows; rows with valid False (bucket padding) are routed like row 0 with zero
         weights, so they add no expert reads. Rows are independent bit for bit."""
         r = self.router(u)
-        sel, w = route(r[:, : self.n_expert], self.k)
+        probs = jax.nn.softmax(r[:, : self.n_expert], axis=-1)  # what `route` computes
+        if self.record_router:
+            self.sow(nnx.Intermediate, "router_probs", probs)
+        sel, w = top_k_weights(probs, self.k)
         if valid is not None:
             sel = jnp.where(valid[:, None], sel, sel[:1])
             w = jnp.where(valid[:, None], w, 0.0)

@@ -52,8 +52,9 @@ class MTPHead(nnx.Module):
         """Rows (tokens [T], h [T, D]) at positions start.. (rows >= n_valid are padding: no KV write,
         zero-weight experts), over the head's own KV cache. Returns (h' [T, D] post shared_head_norm,
         cache), plus with_q the block's post-rope queries [T, Hq, hd] (SnapKV). tree: draft-tree rows at
-        positions start + tree.depth (`sharpi_jax.model.tree`)."""
-        T = tokens.shape[0]
+        positions start + tree.depth (`sharpi_jax.model.tree`). Also a batch of sequences (training):
+        tokens [B, T], h [B, T, D], a cache [B, ...]."""
+        T = tokens.shape[-1]
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + (rows if tree is None else tree.depth)
         valid = rows < n_valid

@@ -15,6 +15,7 @@ Two forward forms share every layer except the GDN kernel (the block's `mode`):
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -59,7 +60,7 @@ class Block(nnx.Module):
         self.is_recurrent = c.is_recurrent(layer)
         self.attn_norm = RMSNorm(c.d_model, c.rms_eps)
         self.post_norm = RMSNorm(c.d_model, c.rms_eps)
-        self.mixer = GatedDeltaNet(c, run.gdn_chunk) if self.is_recurrent else GatedAttention(c)
+        self.mixer = GatedDeltaNet(c, run.gdn_chunk, run.gdn_solve) if self.is_recurrent else GatedAttention(c)
         self.is_moe = c.is_moe
         if c.is_moe and experts is None:
             raise ValueError(f"block {layer} of a MoE model needs its routed experts (an ExpertProvider)")
@@ -71,9 +72,18 @@ class Block(nnx.Module):
         write, no state change, zero-weight experts). Returns (x' [T, D], the block's new cache, the
         per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES. tree (mode "recurrent"):
         draft-tree rows, each on its own root path (`sharpi_jax.model.tree`). with_q: a fourth
-        output, an attention block's post-rope queries [T, Hq, hd] (None for a GDN block; SnapKV)."""
+        output, an attention block's post-rope queries [T, Hq, hd] (None for a GDN block; SnapKV).
+
+        A batch of sequences (training): x [B, T, D] with a cache of per-sequence caches [B, ...]
+        (positions and valid shared): the mixer runs per sequence, the FFN on all B*T rows at once."""
         a = self.attn_norm(x)
-        m, cache, snapshot, q = self._mix(a, cache, positions, valid, mode, tree)
+        if x.ndim == 3:
+            if tree is not None:
+                raise ValueError("draft-tree rows take one sequence, not a batch")
+            mix = jax.vmap(functools.partial(self._mix, mode=mode), in_axes=(0, 0, None, None))
+            m, cache, snapshot, q = mix(a, cache, positions, valid)
+        else:
+            m, cache, snapshot, q = self._mix(a, cache, positions, valid, mode, tree)
         h = x + m
         out = h + self.feed_forward(h, valid), cache, snapshot
         return out + (q,) if with_q else out
@@ -97,6 +107,10 @@ class Block(nnx.Module):
         return m, GDNCache(conv, ssm), None, None
 
     def feed_forward(self, h: jax.Array, valid: jax.Array) -> jax.Array:
+        if h.ndim == 3:  # a batch of sequences: all B*T rows at once
+            B, T, D = h.shape
+            rows = jnp.broadcast_to(valid, (B, T)).reshape(B * T)
+            return self.feed_forward(h.reshape(B * T, D), rows).reshape(B, T, D)
         u = self.post_norm(h)
         return self.ffn(u, valid) if self.is_moe else self.ffn(u)
 
@@ -116,7 +130,7 @@ class Transformer(nnx.Module):
 
     def _trunk(self, state: tuple[LayerCache, ...], tokens: jax.Array, start: jax.Array, n_valid: jax.Array,
                mode: str, tree: TreeRows | None = None, queries: list | None = None):
-        T = tokens.shape[0]
+        T = tokens.shape[-1]  # tokens [T], or [B, T] for a batch of sequences (training)
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + (rows if tree is None else tree.depth)
         valid = rows < n_valid
@@ -135,7 +149,8 @@ class Transformer(nnx.Module):
 
     def prefill(self, state, tokens, start, n_valid, gdn: str = "chunked", with_q: bool = False):
         """Rows [start, start + n_valid) of a padded bucket `tokens` [B]. Returns (hidden [B, D], state),
-        plus with_q the attention layers' post-rope queries (a tuple of [B, Hq, hd], trunk order)."""
+        plus with_q the attention layers' post-rope queries (a tuple of [B, Hq, hd], trunk order).
+        Also a batch of sequences: tokens [N, B] with a state of per-sequence caches [N, ...]."""
         queries = [] if with_q else None
         hidden, state, _ = self._trunk(state, tokens, start, n_valid, gdn, queries=queries)
         return (hidden, state, tuple(queries)) if with_q else (hidden, state)

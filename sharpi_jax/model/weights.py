@@ -1,4 +1,5 @@
-"""GGUF tensors -> Transformer params: one table from param path to GGUF name(s) and a transform.
+"""GGUF tensors -> Transformer params: one table from param path to GGUF name(s) and a transform (the
+recipes; training builds the same params from float arrays by them).
 
 Every matrix keeps its GGUF encoding: a Linear holds the file's `[out, in]` rows as QTensors in the
 layout the `MatrixFormat` chooses (kernel backend + explicit repacking, `sharpi_jax.quant`); fused
@@ -118,64 +119,112 @@ def _embedding(f: GGUFFile, name: str) -> QTensor:
     return pack_rows(raw, qtype, cols, layout)
 
 
+# How a param is made of GGUF tensors, its `Recipe` (kind, tensor names): the loader reads recipes from a
+# file; training builds the same params from float arrays keyed by GGUF names.
+ROWS = "rows"  # a Linear weight: the matrices' [out, in] rows stacked in order (a fused projection)
+ROWS_BA = "rows+ba"  # ROWS of names[:-1], then the (beta, alpha) rows of qwen3next's fused ssm_ba (names[-1])
+VECTOR = "vector"  # a float32 vector (norms, dt bias, ssm_a)
+CONV = "conv"  # ssm_conv1d [C, Kc], held transposed [Kc, C]
+EMBEDDING = "embedding"  # a token table [n_vocab, D] (TokenEmbedding.table)
+Recipe = tuple[str, tuple[str, ...]]
+
+
+def trunk_recipes(c: ModelConfig, has: Callable[[str], bool]) -> dict[tuple, Recipe]:
+    """Recipes of the trunk's own params (its blocks': `block_recipes`); has(name): whether the tensor
+    exists (no `output.weight`: the LM head is tied to `token_embd`)."""
+    return {
+        ("embed", "table"): (EMBEDDING, ("token_embd.weight",)),
+        ("output_norm", "weight"): (VECTOR, ("output_norm.weight",)),
+        ("lm_head", "w"): (ROWS, ("output.weight" if has("output.weight") else "token_embd.weight",)),
+    }
+
+
+def block_recipes(c: ModelConfig, i: int, has: Callable[[str], bool]) -> dict[tuple, Recipe]:
+    """Recipes of block `i`'s params (trunk or MTP) by their path inside the Block; the routed experts
+    are their provider's (`ExpertLoader`)."""
+    p = f"blk.{i}"
+    qkv = ((f"{p}.attn_qkv.weight",) if has(f"{p}.attn_qkv.weight")
+           else (f"{p}.attn_q.weight", f"{p}.attn_k.weight", f"{p}.attn_v.weight"))
+    if has(f"{p}.ssm_ba.weight"):
+        gdn_in: Recipe = (ROWS_BA, (f"{p}.attn_qkv.weight", f"{p}.attn_gate.weight", f"{p}.ssm_ba.weight"))
+    else:
+        gdn_in = (ROWS, (f"{p}.attn_qkv.weight", f"{p}.attn_gate.weight", f"{p}.ssm_beta.weight",
+                         f"{p}.ssm_alpha.weight"))
+    return {
+        ("attn_norm", "weight"): (VECTOR, (f"{p}.attn_norm.weight",)),
+        ("post_norm", "weight"): (VECTOR, (f"{p}.post_attention_norm.weight",)),
+        # gated attention
+        ("mixer", "w_qkv", "w"): (ROWS, qkv),
+        ("mixer", "w_o", "w"): (ROWS, (f"{p}.attn_output.weight",)),
+        ("mixer", "q_norm", "weight"): (VECTOR, (f"{p}.attn_q_norm.weight",)),
+        ("mixer", "k_norm", "weight"): (VECTOR, (f"{p}.attn_k_norm.weight",)),
+        # gated delta net
+        ("mixer", "w_in", "w"): gdn_in,
+        ("mixer", "conv_w"): (CONV, (f"{p}.ssm_conv1d.weight",)),
+        ("mixer", "dt_bias"): (VECTOR, (f"{p}.ssm_dt.bias",)),
+        ("mixer", "a"): (VECTOR, (f"{p}.ssm_a",)),
+        ("mixer", "norm"): (VECTOR, (f"{p}.ssm_norm.weight",)),
+        ("mixer", "w_out", "w"): (ROWS, (f"{p}.ssm_out.weight",)),
+        # MoE: router [E experts | shared-expert gate]
+        ("ffn", "router", "w"): (ROWS, (f"{p}.ffn_gate_inp.weight",
+                                        *([f"{p}.ffn_gate_inp_shexp.weight"] if c.shared_expert_ff else []))),
+        ("ffn", "shared", "gate_up", "w"): (ROWS, (f"{p}.ffn_gate_shexp.weight", f"{p}.ffn_up_shexp.weight")),
+        ("ffn", "shared", "down", "w"): (ROWS, (f"{p}.ffn_down_shexp.weight",)),
+        # dense FFN (qwen35)
+        ("ffn", "gate_up", "w"): (ROWS, (f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight")),
+        ("ffn", "down", "w"): (ROWS, (f"{p}.ffn_down.weight",)),
+    }
+
+
+def mtp_recipes(c: ModelConfig, has: Callable[[str], bool]) -> dict[tuple, Recipe]:
+    """Recipes of the MTP head's own params (its block's: `block_recipes(c, c.mtp_layer, has)`): the
+    nextn.* extras; embedding, LM head and head norm are the trunk's token_embd, output (or tied) and
+    output_norm unless the file has nextn.embed_tokens / shared_head_head / shared_head_norm."""
+    p = f"blk.{c.mtp_layer}"
+    embed, head, norm = (f"{p}.nextn.{n}.weight" for n in ("embed_tokens", "shared_head_head", "shared_head_norm"))
+    trunk = trunk_recipes(c, has)
+    return {
+        ("embed", "table"): (EMBEDDING, (embed,)) if has(embed) else trunk[("embed", "table")],
+        ("lm_head", "w"): (ROWS, (head,)) if has(head) else trunk[("lm_head", "w")],
+        ("enorm", "weight"): (VECTOR, (f"{p}.nextn.enorm.weight",)),
+        ("hnorm", "weight"): (VECTOR, (f"{p}.nextn.hnorm.weight",)),
+        ("eh_proj", "w"): (ROWS, (f"{p}.nextn.eh_proj.weight",)),
+        ("shared_head_norm", "weight"): (VECTOR, (norm if has(norm) else "output_norm.weight",)),
+    }
+
+
+def _load(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, recipe: Recipe) -> Any:
+    """A param's value read from the file, by its recipe."""
+    kind, names = recipe
+    if kind == ROWS:
+        return _rows(f, fmt, *names)
+    if kind == ROWS_BA:
+        return _matrix(fmt, *(_source(f, n) for n in names[:-1]), *_split_ba(f, names[-1], c))
+    if kind == VECTOR:
+        return _vector(f, names[0])
+    if kind == CONV:
+        return np.ascontiguousarray(_float(f, names[0]).T)
+    if kind == EMBEDDING:
+        return _embedding(f, names[0])
+    raise ValueError(f"unknown recipe kind {kind!r}")
+
+
 def _param_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, path: tuple,
                   experts: ExpertLoader | None) -> Source:
     """The loader of one param, by its nnx path."""
-    if path == ("embed", "table"):
-        return lambda: _embedding(f, "token_embd.weight")
-    if path == ("output_norm", "weight"):
-        return lambda: _vector(f, "output_norm.weight")
-    if path == ("lm_head", "w"):
-        head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"  # tied
-        return lambda: _rows(f, fmt, head)
-    if path[0] != "layers":
-        raise KeyError(path)
-    return _block_source(f, c, fmt, path[1], tuple(path[2:]), experts)
+    if path[0] == "layers":
+        return _block_source(f, c, fmt, path[1], tuple(path[2:]), experts)
+    recipe = trunk_recipes(c, f.tensors.__contains__)[path]
+    return lambda: _load(f, c, fmt, recipe)
 
 
 def _block_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, i: int, rest: tuple,
                   experts: ExpertLoader | None) -> Source:
     """The loader of one param of block `i` (trunk or MTP), by its path inside the Block."""
-    p = f"blk.{i}"
-    rows = lambda *names: _rows(f, fmt, *names)  # noqa: E731
     if rest[:2] == ("ffn", "experts") and experts is not None:
         return experts.source(i, tuple(rest[2:]))
-    simple = {
-        ("attn_norm", "weight"): lambda: _vector(f, f"{p}.attn_norm.weight"),
-        ("post_norm", "weight"): lambda: _vector(f, f"{p}.post_attention_norm.weight"),
-        # gated attention
-        ("mixer", "w_qkv", "w"): lambda: (rows(f"{p}.attn_qkv.weight") if f"{p}.attn_qkv.weight" in f.tensors
-                                          else rows(f"{p}.attn_q.weight", f"{p}.attn_k.weight",
-                                                     f"{p}.attn_v.weight")),
-        ("mixer", "w_o", "w"): lambda: rows(f"{p}.attn_output.weight"),
-        ("mixer", "q_norm", "weight"): lambda: _vector(f, f"{p}.attn_q_norm.weight"),
-        ("mixer", "k_norm", "weight"): lambda: _vector(f, f"{p}.attn_k_norm.weight"),
-        # gated delta net
-        ("mixer", "w_in", "w"): lambda: _gdn_in(f, c, fmt, p),
-        ("mixer", "conv_w"): lambda: np.ascontiguousarray(_float(f, f"{p}.ssm_conv1d.weight").T),
-        ("mixer", "dt_bias"): lambda: _vector(f, f"{p}.ssm_dt.bias"),
-        ("mixer", "a"): lambda: _vector(f, f"{p}.ssm_a"),
-        ("mixer", "norm"): lambda: _vector(f, f"{p}.ssm_norm.weight"),
-        ("mixer", "w_out", "w"): lambda: rows(f"{p}.ssm_out.weight"),
-        # MoE
-        ("ffn", "router", "w"): lambda: rows(f"{p}.ffn_gate_inp.weight",
-                                              *([f"{p}.ffn_gate_inp_shexp.weight"] if c.shared_expert_ff else [])),
-        ("ffn", "shared", "gate_up", "w"): lambda: rows(f"{p}.ffn_gate_shexp.weight", f"{p}.ffn_up_shexp.weight"),
-        ("ffn", "shared", "down", "w"): lambda: rows(f"{p}.ffn_down_shexp.weight"),
-        # dense FFN (qwen35)
-        ("ffn", "gate_up", "w"): lambda: rows(f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"),
-        ("ffn", "down", "w"): lambda: rows(f"{p}.ffn_down.weight"),
-    }
-    return simple[rest]
-
-
-def _gdn_in(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, p: str) -> tuple[QTensor, ...]:
-    sources = [_source(f, f"{p}.attn_qkv.weight"), _source(f, f"{p}.attn_gate.weight")]
-    if f"{p}.ssm_ba.weight" in f.tensors:
-        sources += _split_ba(f, f"{p}.ssm_ba.weight", c)
-    else:
-        sources += [_source(f, f"{p}.ssm_beta.weight"), _source(f, f"{p}.ssm_alpha.weight")]
-    return _matrix(fmt, *sources)
+    recipe = block_recipes(c, i, f.tensors.__contains__)[rest]
+    return lambda: _load(f, c, fmt, recipe)
 
 
 def _check_supported(f: GGUFFile) -> None:
@@ -265,34 +314,16 @@ def load_block(f: GGUFFile, config: ModelConfig, layer: int, experts: ExpertLoad
 
 def _mtp_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, trunk: Transformer | None, path: tuple,
                 experts: ExpertLoader | None) -> Source:
-    """The loader of one MTPHead param (nextn.* extras with their trunk fallbacks: embedding and LM
-    head are the trunk's unless the file has nextn.embed_tokens / nextn.shared_head_head)."""
-    p = f"blk.{c.mtp_layer}"
-    own_embed, own_head = f"{p}.nextn.embed_tokens.weight", f"{p}.nextn.shared_head_head.weight"
-    if path == ("embed", "table"):
-        if own_embed in f.tensors:
-            return lambda: _embedding(f, own_embed)
-        if trunk is not None:
-            return lambda: trunk.embed.table.get_value()  # the same arrays: no second copy
-        return lambda: _embedding(f, "token_embd.weight")
-    if path == ("lm_head", "w"):
-        if own_head in f.tensors:
-            return lambda: _rows(f, fmt, own_head)
-        if trunk is not None:
-            return lambda: trunk.lm_head.w.get_value()  # the same arrays: no second copy of the LM head
-        return lambda: _rows(f, fmt, "output.weight" if "output.weight" in f.tensors else "token_embd.weight")
-    norm = f"{p}.nextn.shared_head_norm.weight"
-    simple = {
-        ("enorm", "weight"): lambda: _vector(f, f"{p}.nextn.enorm.weight"),
-        ("hnorm", "weight"): lambda: _vector(f, f"{p}.nextn.hnorm.weight"),
-        ("eh_proj", "w"): lambda: _rows(f, fmt, f"{p}.nextn.eh_proj.weight"),
-        ("shared_head_norm", "weight"): lambda: _vector(f, norm if norm in f.tensors else "output_norm.weight"),
-    }
-    if path in simple:
-        return simple[path]
-    if path[0] != "block":
-        raise KeyError(path)
-    return _block_source(f, c, fmt, c.mtp_layer, tuple(path[1:]), experts)
+    """The loader of one MTPHead param (`mtp_recipes`); with `trunk`, an embedding or LM head that is
+    the trunk's is the trunk's arrays (no second copy)."""
+    if path[0] == "block":
+        return _block_source(f, c, fmt, c.mtp_layer, tuple(path[1:]), experts)
+    has = f.tensors.__contains__
+    recipe = mtp_recipes(c, has)[path]
+    if trunk is not None and path in (("embed", "table"), ("lm_head", "w")) and recipe == trunk_recipes(c, has)[path]:
+        module = trunk.embed.table if path[0] == "embed" else trunk.lm_head.w
+        return module.get_value
+    return lambda: _load(f, c, fmt, recipe)
 
 
 def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
