@@ -368,6 +368,28 @@ def _pass_stats(k: int, passes: list[tuple[int, int]]) -> dict[str, Any]:
     }
 
 
+def emit_passes(first: list[int], max_new_tokens: int, stop_ids: Collection[int], max_context: int,
+                position: Callable[[], int], one_pass: Callable[[list[int]], list[int]]) -> tuple[list[int], str]:
+    """The emit loop of speculative generation (chain and tree): emit a pass's tokens in order up to
+    an EOS or max_new_tokens, then run the next pass from them (`one_pass(out)` -> its accepted tokens
+    plus the target's next one) while the certain token's position is inside the context.
+    Returns (tokens, stop reason: "eos" | "max_new_tokens" | "max_context")."""
+    stop_ids = frozenset(stop_ids)
+    out: list[int] = []
+    emit = first
+    while emit:
+        for tok in emit:
+            out.append(tok)
+            if tok in stop_ids:
+                return out, "eos"
+            if len(out) == max_new_tokens:
+                return out, "max_new_tokens"
+        if position() >= max_context:
+            return out, "max_context"
+        emit = one_pass(out)
+    return out, "max_new_tokens"
+
+
 def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                  verify: str = "batched", width: int | None = None, full_rows: bool = False,
@@ -389,30 +411,16 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
     dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first, kv, capacity, mtp_kv)
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
-    out: list[int] = []
     passes: list[tuple[int, int]] = []
-    stop_ids = frozenset(stop_ids)
-    stop = "max_new_tokens"
-    emit = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
-    while emit:
-        done = False
-        for tok in emit:
-            out.append(tok)
-            if tok in stop_ids:
-                stop, done = "eos", True
-                break
-            if len(out) == max_new_tokens:
-                done = True
-                break
-        if done:
-            break
-        if dec.P >= runtime.max_context:
-            stop = "max_context"
-            break
+
+    def one_pass(out: list[int]) -> list[int]:
         n_draft = min(dec.k, dec.max_drafts())
         accepted, nxt, _ = dec.step(out[-1], n_draft, sampling, len(out) - 1)
         passes.append((n_draft, len(accepted)))
-        emit = accepted + [nxt]
+        return accepted + [nxt]
+
+    first = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
+    out, stop = emit_passes(first, max_new_tokens, stop_ids, runtime.max_context, lambda: dec.P, one_pass)
     t2 = time.perf_counter()
     stats = {
         **timing_stats(len(prompt), len(out), t0, t1, t2, stop),

@@ -37,7 +37,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.model.cache import cache_shapes
 from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, sample
-from sharpi_jax.runtime.speculative import VERIFY_MODES, MTPRuntime, _argmax_rows, _stack_rows
+from sharpi_jax.runtime.speculative import VERIFY_MODES, MTPRuntime, _argmax_rows, _stack_rows, emit_passes
 from sharpi_jax.runtime.state import gdn_caches, move_kv_rows, select_snapshot
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.tree_draft import DraftTree, TreeDrafter
@@ -249,31 +249,17 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes)
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
-    out: list[int] = []
     passes: list[tuple[int, int, int]] = []
-    stop_ids = frozenset(stop_ids)
-    stop = "max_new_tokens"
-    emit = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
-    while emit:
-        done = False
-        for tok in emit:
-            out.append(tok)
-            if tok in stop_ids:
-                stop, done = "eos", True
-                break
-            if len(out) == max_new_tokens:
-                done = True
-                break
-        if done:
-            break
-        if dec.P >= runtime.max_context:
-            stop = "max_context"
-            break
+
+    def one_pass(out: list[int]) -> list[int]:
         n_nodes = min(dec.n_nodes, runtime.max_context - 1 - dec.P)
         depth = min(dec.k, n_nodes)
         accepted, nxt, tree = dec.step(out[-1], depth, n_nodes, sampling, len(out) - 1)
         passes.append((tree.n - 1, int(tree.depth.max()), len(accepted)))
-        emit = accepted + [nxt]
+        return accepted + [nxt]
+
+    first = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
+    out, stop = emit_passes(first, max_new_tokens, stop_ids, runtime.max_context, lambda: dec.P, one_pass)
     t2 = time.perf_counter()
     stats = {
         **timing_stats(len(prompt), len(out), t0, t1, t2, stop),
