@@ -61,22 +61,23 @@ def attention_caches(state: DecodeState) -> list[AttnCache]:
     return [c for c in state if isinstance(c, AttnCache)]
 
 
+def _with_kind(state: DecodeState, kind: type, new: Sequence, what: str) -> DecodeState:
+    """`state` with its caches of type `kind` replaced by `new` (in trunk order)."""
+    it = iter(new)
+    out = tuple(next(it) if isinstance(c, kind) else c for c in state)
+    if next(it, None) is not None:
+        raise ValueError(f"more {what} caches than {what} layers")
+    return out
+
+
 def with_gdn(state: DecodeState, gdn: Sequence[GDNCache]) -> DecodeState:
     """`state` with its GDN layers' caches replaced by `gdn` (in trunk order)."""
-    it = iter(gdn)
-    out = tuple(next(it) if isinstance(c, GDNCache) else c for c in state)
-    if next(it, None) is not None:
-        raise ValueError("more GDN caches than GDN layers")
-    return out
+    return _with_kind(state, GDNCache, gdn, "GDN")
 
 
 def with_attention(state: DecodeState, attn: Sequence[AttnCache]) -> DecodeState:
     """`state` with its attention layers' caches replaced by `attn` (in trunk order)."""
-    it = iter(attn)
-    out = tuple(next(it) if isinstance(c, AttnCache) else c for c in state)
-    if next(it, None) is not None:
-        raise ValueError("more attention caches than attention layers")
-    return out
+    return _with_kind(state, AttnCache, attn, "attention")
 
 
 def select_snapshot(state: DecodeState, snapshots: Snapshots, index) -> DecodeState:
