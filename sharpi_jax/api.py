@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import parallel as expert_parallelism
 from sharpi_jax.experts import residency as expert_residency
@@ -92,11 +92,9 @@ class Engine:
                                                     **residency_options)
         run = self.run_config
         self.matrix_format = MatrixFormat(resolve_kernels(run.kernels), run.repack)
-        if self.matrix_format.backend == "pallas":
-            if expert_budget is not None:
-                raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
-                                 "grouped kernel reads whole expert stacks (use kernels='xla')")
-            run = self.run_config = run.replace(expert_mode=PALLAS_EXPERT_MODE)
+        if self.matrix_format.backend == "pallas" and expert_budget is not None:
+            raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
+                             "grouped kernel reads whole expert stacks (use kernels='xla')")
         self.mesh = None  # the expert-parallel Mesh (expert_parallel=N), else one device
         if expert_parallel is not None:
             n = expert_parallelism.check_expert_parallel(expert_parallel, self.config, expert_budget=expert_budget)
