@@ -132,7 +132,8 @@ def main(argv: Sequence[str]) -> None:
         if FLAGS.json_out:
             rec = {
                 "bench": "moe_dispatch", "n": n, "top_k": k, "n_expert": e, "d_ff": f, "d_model": d,
-                "qtype": FLAGS.qtype, "row_kernel": FLAGS.row_kernel, "row_tiles": list(tiles),
+                "qtype": FLAGS.qtype, "kernels": experts[0].kernels, "row_kernel": FLAGS.row_kernel,
+                "row_tiles": list(tiles),
                 "unique_experts": stats["unique_experts"], "max_rows_per_expert": stats["max_rows_per_expert"],
                 "bytes_per_token": bytes_pt, "bytes_grouped": bytes_gr, "bytes_floor": stats["bytes_grouped"],
                 # the fields experiments.plot draws expert_reads_vs_batch.png from (bytes read per routed token)

@@ -280,7 +280,9 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     model runs) and its fields as single options, which override it: prefill_buckets (prefill chunk
     sizes, each compiled once), expert_mode ("grouped" | "per_token" routed-expert dispatch; bitwise
     equal), row_kernel ("gemm" | "gemv"), gdn_chunk, kernels ("auto" | "xla" |
-    "pallas" | "reference": the matmul backend, "auto" = Pallas on a GPU, XLA elsewhere), repack
+    "pallas" | "reference" | any name registered in `sharpi_jax.quant.registry`: the kernel backend of
+    every matrix and routed-expert stack, "auto" = the best-ranked for the platform, Pallas on a GPU,
+    XLA elsewhere), repack
     ("auto": on XLA:CPU quantized matrices of >= 4M weights are repacked to int8 rows, lossy, 1 B/weight:
     the fast CPU path for an LM head; None: every matrix in its GGUF encoding, exact; "int8": all
     quantized matrices repacked); progress (tqdm bar; default: files >= 256 MiB),
