@@ -1,0 +1,90 @@
+"""ggml itself, through ctypes on the libggml-python libraries: the independent reference for the ggml backend.
+
+`mul_mat(x, raw, qtype)` builds a ggml graph `ggml_mul_mat(W, x)` on the same blocks and has ggml's
+CPU backend compute it (`ggml_graph_compute_with_ctx`). `quantize(w, qtype)` makes valid blocks of any
+type with ggml's own quantizer (`ggml_quantize_chunk`, an all-ones importance matrix where a type
+requires one). Nothing here touches sharpi_jax's extension.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import numpy as np
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+@functools.cache
+def _libs():
+    import libggml
+
+    lib = os.path.join(os.path.dirname(libggml.__file__), "lib64")
+    base = ctypes.CDLL(os.path.join(lib, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(os.path.join(lib, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    p = ctypes.c_void_p
+    base.ggml_init.argtypes, base.ggml_init.restype = [_InitParams], p
+    base.ggml_free.argtypes = [p]
+    base.ggml_new_tensor_2d.argtypes, base.ggml_new_tensor_2d.restype = [p, ctypes.c_int, ctypes.c_int64,
+                                                                         ctypes.c_int64], p
+    base.ggml_mul_mat.argtypes, base.ggml_mul_mat.restype = [p, p, p], p
+    base.ggml_new_graph.argtypes, base.ggml_new_graph.restype = [p], p
+    base.ggml_build_forward_expand.argtypes = [p, p]
+    base.ggml_get_data.argtypes, base.ggml_get_data.restype = [p], p
+    base.ggml_nbytes.argtypes, base.ggml_nbytes.restype = [p], ctypes.c_size_t
+    base.ggml_row_size.argtypes, base.ggml_row_size.restype = [ctypes.c_int, ctypes.c_int64], ctypes.c_size_t
+    base.ggml_quantize_requires_imatrix.argtypes, base.ggml_quantize_requires_imatrix.restype = [ctypes.c_int], \
+        ctypes.c_bool
+    base.ggml_quantize_chunk.argtypes = [ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p]
+    base.ggml_quantize_chunk.restype = ctypes.c_size_t
+    cpu.ggml_graph_compute_with_ctx.argtypes, cpu.ggml_graph_compute_with_ctx.restype = [p, p, ctypes.c_int], \
+        ctypes.c_int
+    cpu.ggml_cpu_init()
+    return base, cpu
+
+
+def has_llamafile() -> bool:
+    """Whether this ggml's mul_mat may route products to llamafile's sgemm instead of vec_dot."""
+    return bool(_libs()[1].ggml_cpu_has_llamafile())
+
+
+def mul_mat(x: np.ndarray, raw: np.ndarray, qtype: int, threads: int = 1) -> np.ndarray:
+    """f32[M, N] = x[M, K] @ W.T as ggml's CPU backend computes `ggml_mul_mat(W, x)`."""
+    base, cpu = _libs()
+    x = np.ascontiguousarray(x, np.float32)
+    raw = np.ascontiguousarray(raw, np.uint8)
+    (m, k), n = x.shape, raw.shape[0]
+    assert base.ggml_row_size(int(qtype), k) == raw.shape[1]
+    mem = raw.nbytes + x.nbytes * 6 + m * n * 4 + (1 << 22)
+    ctx = base.ggml_init(_InitParams(mem, None, False))
+    try:
+        w_t = base.ggml_new_tensor_2d(ctx, int(qtype), k, n)
+        x_t = base.ggml_new_tensor_2d(ctx, 0, k, m)
+        ctypes.memmove(base.ggml_get_data(w_t), raw.ctypes.data, raw.nbytes)
+        ctypes.memmove(base.ggml_get_data(x_t), x.ctypes.data, x.nbytes)
+        y_t = base.ggml_mul_mat(ctx, w_t, x_t)  # ne = [N, M]: row m holds the N outputs of x[m]
+        graph = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(graph, y_t)
+        assert cpu.ggml_graph_compute_with_ctx(ctx, graph, threads) == 0
+        y = np.empty((m, n), np.float32)
+        ctypes.memmove(y.ctypes.data, base.ggml_get_data(y_t), y.nbytes)
+        return y
+    finally:
+        base.ggml_free(ctx)
+
+
+def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
+    """ggml's own blocks uint8[rows, row_bytes] of float rows `w` (an all-ones imatrix where required)."""
+    base, _ = _libs()
+    w = np.ascontiguousarray(w, np.float32)
+    rows, cols = w.shape
+    out = np.zeros((rows, base.ggml_row_size(int(qtype), cols)), np.uint8)
+    imatrix = np.ones(cols, np.float32)
+    im = imatrix.ctypes.data if base.ggml_quantize_requires_imatrix(int(qtype)) else None
+    written = base.ggml_quantize_chunk(int(qtype), w.ctypes.data, out.ctypes.data, 0, rows, cols, im)
+    assert written == out.nbytes
+    return out
