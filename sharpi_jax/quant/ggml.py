@@ -161,25 +161,27 @@ def expert_bytes(gate: jax.Array, up: jax.Array, down: jax.Array) -> int:
 
 def host_matmul(x: np.ndarray, raw: np.ndarray, qtype: int, threads: int = 1) -> np.ndarray:
     """`matmul` on host arrays (no JAX); `raw` may be a read-only mmap view. Same bits as `matmul`."""
+    ext = _ext()
     x = np.ascontiguousarray(x, np.float32)
     raw = np.ascontiguousarray(raw)
     _check_rows(qtype, x.shape[-1], raw.shape[1], "ggml host_matmul")
     x2 = x.reshape(-1, x.shape[-1])
     y = np.empty((x2.shape[0], raw.shape[0]), np.float32)
-    _ext().matmul(x2, raw, int(qtype), y, threads)
+    ext.matmul(x2, raw, int(qtype), y, threads)
     return y.reshape(*x.shape[:-1], raw.shape[0])
 
 
 def host_expert_rows(x: np.ndarray, ids: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                      qtypes: Sequence[int], mode: str = "grouped", threads: int = 1) -> np.ndarray:
     """`expert_rows` on host arrays (no JAX, no float copy of the weights). Same bits as `expert_rows`."""
+    ext = _ext()
     x = np.ascontiguousarray(x, np.float32)
     ids = np.ascontiguousarray(ids, np.int32)
     gate, up, down = (np.ascontiguousarray(a) for a in (gate, up, down))
     attrs = _expert_args(x.shape, ids.shape, gate.shape, up.shape, down.shape, qtypes, mode)
     y = np.empty((ids.shape[0], ids.shape[1], x.shape[1]), np.float32)
     try:
-        _ext().expert_rows(x, ids, gate, up, down, *(int(v) for v in attrs.values()), y, threads)
+        ext.expert_rows(x, ids, gate, up, down, *(int(v) for v in attrs.values()), y, threads)
     except ValueError as e:  # an expert id out of range
         raise InputError(str(e)) from None
     return y
