@@ -1,7 +1,7 @@
 """The "ggml" backend (sharpi_jax.quant.ggml): ggml's own bits, row-stable, within the activation-rounding bound.
 
 References, all independent of the extension: ggml's own graph (`ggml_mul_mat` computed by ggml's CPU
-backend through ctypes, tests/quant/ggml_reference.py) and the exact float product with gguf-py's numpy
+backend through ctypes, experiments/ggml_graph.py) and the exact float product with gguf-py's numpy
 dequantizer. Blocks are real: the fixture files' tensors, and ggml's own quantizer for the types no
 fixture holds.
 
@@ -52,9 +52,9 @@ ALL_TYPES = sorted(ggml.SERVED_TYPES, key=int)
 
 @functools.cache
 def _reference():
-    from tests.quant import ggml_reference
+    from experiments import ggml_graph
 
-    return ggml_reference
+    return ggml_graph
 
 
 @functools.cache

@@ -1,7 +1,9 @@
-"""ggml itself, through ctypes on the libggml-python libraries: the independent reference for the ggml backend.
+"""ggml itself, through ctypes on the libggml-python libraries: the independent reference for the ggml backend
+(tests/quant/test_ggml.py) and the engine it is timed against (experiments/bench_ggml.py).
 
-`mul_mat(x, raw, qtype)` builds a ggml graph `ggml_mul_mat(W, x)` on the same blocks and has ggml's
-CPU backend compute it (`ggml_graph_compute_with_ctx`). `quantize(w, qtype)` makes valid blocks of any
+`MulMat(raw, qtype, m)` builds a ggml graph `ggml_mul_mat(W, x)` on a copy of the blocks once;
+`.compute(x, threads)` has ggml's CPU backend compute it (`ggml_graph_compute_with_ctx`);
+`mul_mat(x, raw, qtype)` does both. `quantize(w, qtype)` makes valid blocks of any
 type with ggml's own quantizer (`ggml_quantize_chunk`, an all-ones importance matrix where a type
 requires one). Nothing here touches sharpi_jax's extension.
 """
@@ -52,29 +54,45 @@ def has_llamafile() -> bool:
     return bool(_libs()[1].ggml_cpu_has_llamafile())
 
 
+class MulMat:
+    """A ggml context holding W (a copy of `raw`), an f32 input of `m` rows and y = ggml_mul_mat(W, x)."""
+
+    def __init__(self, raw: np.ndarray, qtype: int, m: int):
+        base, _ = _libs()
+        raw = np.ascontiguousarray(raw, np.uint8)
+        self.n, self.m = raw.shape[0], m
+        block = base.ggml_row_size(int(qtype), 256)  # bytes of 256 values (every served type divides 256)
+        self.k = raw.shape[1] * 256 // block
+        assert base.ggml_row_size(int(qtype), self.k) == raw.shape[1]
+        mem = raw.nbytes + self.k * m * 4 * 6 + m * self.n * 4 + (1 << 22)
+        self.ctx = base.ggml_init(_InitParams(mem, None, False))
+        w_t = base.ggml_new_tensor_2d(self.ctx, int(qtype), self.k, self.n)
+        self.x_t = base.ggml_new_tensor_2d(self.ctx, 0, self.k, m)
+        ctypes.memmove(base.ggml_get_data(w_t), raw.ctypes.data, raw.nbytes)
+        self.y_t = base.ggml_mul_mat(self.ctx, w_t, self.x_t)  # ne = [N, M]: row m holds the N outputs of x[m]
+        self.graph = base.ggml_new_graph(self.ctx)
+        base.ggml_build_forward_expand(self.graph, self.y_t)
+
+    def compute(self, x: np.ndarray, threads: int = 1) -> np.ndarray:
+        """y[M, N] for x[M, K], as ggml's CPU backend computes it with `threads` threads."""
+        base, cpu = _libs()
+        x = np.ascontiguousarray(x, np.float32)
+        assert x.shape == (self.m, self.k)
+        ctypes.memmove(base.ggml_get_data(self.x_t), x.ctypes.data, x.nbytes)
+        assert cpu.ggml_graph_compute_with_ctx(self.ctx, self.graph, threads) == 0
+        y = np.empty((self.m, self.n), np.float32)
+        ctypes.memmove(y.ctypes.data, base.ggml_get_data(self.y_t), y.nbytes)
+        return y
+
+    def __del__(self):
+        if getattr(self, "ctx", None):
+            _libs()[0].ggml_free(self.ctx)
+            self.ctx = None
+
+
 def mul_mat(x: np.ndarray, raw: np.ndarray, qtype: int, threads: int = 1) -> np.ndarray:
     """f32[M, N] = x[M, K] @ W.T as ggml's CPU backend computes `ggml_mul_mat(W, x)`."""
-    base, cpu = _libs()
-    x = np.ascontiguousarray(x, np.float32)
-    raw = np.ascontiguousarray(raw, np.uint8)
-    (m, k), n = x.shape, raw.shape[0]
-    assert base.ggml_row_size(int(qtype), k) == raw.shape[1]
-    mem = raw.nbytes + x.nbytes * 6 + m * n * 4 + (1 << 22)
-    ctx = base.ggml_init(_InitParams(mem, None, False))
-    try:
-        w_t = base.ggml_new_tensor_2d(ctx, int(qtype), k, n)
-        x_t = base.ggml_new_tensor_2d(ctx, 0, k, m)
-        ctypes.memmove(base.ggml_get_data(w_t), raw.ctypes.data, raw.nbytes)
-        ctypes.memmove(base.ggml_get_data(x_t), x.ctypes.data, x.nbytes)
-        y_t = base.ggml_mul_mat(ctx, w_t, x_t)  # ne = [N, M]: row m holds the N outputs of x[m]
-        graph = base.ggml_new_graph(ctx)
-        base.ggml_build_forward_expand(graph, y_t)
-        assert cpu.ggml_graph_compute_with_ctx(ctx, graph, threads) == 0
-        y = np.empty((m, n), np.float32)
-        ctypes.memmove(y.ctypes.data, base.ggml_get_data(y_t), y.nbytes)
-        return y
-    finally:
-        base.ggml_free(ctx)
+    return MulMat(raw, qtype, x.shape[0]).compute(x, threads)
 
 
 def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
