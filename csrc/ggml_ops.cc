@@ -59,9 +59,16 @@ void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
   }
   auto st = std::make_shared<Shared>();
   const Body* body = &fn;
-  auto work = [st, body, n]() {
+  // Workers take runs of consecutive units (about 8 runs per thread): neighbouring units write
+  // neighbouring outputs, so runs keep threads off each other's cache lines and still balance load.
+  const int64_t chunk = std::max<int64_t>(1, n / (8 * static_cast<int64_t>(threads)));
+  auto take = [st, body, n, chunk]() {
+    for (int64_t i0; (i0 = st->next.fetch_add(chunk)) < n;)
+      for (int64_t i = i0, end = std::min(n, i0 + chunk); i < end; ++i) (*body)(i);
+  };
+  auto work = [st, take]() {
     st->active.fetch_add(1);
-    for (int64_t i; (i = st->next.fetch_add(1)) < n;) (*body)(i);
+    take();
     if (st->active.fetch_sub(1) == 1) {
       std::lock_guard<std::mutex> lock(st->mu);
       st->cv.notify_all();
@@ -70,7 +77,7 @@ void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
   int helpers = static_cast<int>(std::min<int64_t>(threads, n)) - 1;
   for (int t = 0; t < helpers; ++t) spawn(work);
   st->active.fetch_add(1);
-  for (int64_t i; (i = st->next.fetch_add(1)) < n;) fn(i);
+  take();
   st->active.fetch_sub(1);
   std::unique_lock<std::mutex> lock(st->mu);
   st->cv.wait(lock, [&] { return st->active.load() == 0; });
@@ -217,18 +224,19 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
   const int64_t f_tiles = (F + kTileRows - 1) / kTileRows, d_tiles = (D + kTileRows - 1) / kTileRows;
   const size_t gate_expert = ew.f * kg.w_row, up_expert = ew.f * ku.w_row, down_expert = ew.d * kd.w_row;
 
-  pool.run(static_cast<int64_t>(groups.size()) * f_tiles, [&](int64_t u) {
+  // Phase A units: (group, F-tile, gate or up); a unit keeps its 16 weight rows hot over the group's pairs.
+  pool.run(static_cast<int64_t>(groups.size()) * f_tiles * 2, [&](int64_t u) {
+    const bool is_up = u & 1;
+    u >>= 1;
     const Group& grp = groups[u / f_tiles];
     int64_t n0 = (u % f_tiles) * kTileRows, n1 = std::min(F, n0 + kTileRows);
-    const uint8_t* wg = ew.gate + grp.expert * gate_expert;
-    const uint8_t* wu = ew.up + grp.expert * up_expert;
-    int64_t base = pair_base[u / f_tiles];
+    const Kernel& kr = is_up ? ku : kg;
+    const uint8_t* w = is_up ? ew.up + grp.expert * up_expert : ew.gate + grp.expert * gate_expert;
+    const uint8_t* xq = is_up ? xq_u : xq_g;
+    float* out = (is_up ? up.data() : gate.data()) + pair_base[u / f_tiles] * F;
     for (size_t p = 0; p < grp.pairs.size(); ++p) {
-      int64_t tok = grp.pairs[p] / k_top;
-      for (int64_t n = n0; n < n1; ++n) {
-        gate[(base + p) * F + n] = kg.dot(wg + n * kg.w_row, xq_g + tok * kg.q_row);
-        up[(base + p) * F + n] = ku.dot(wu + n * ku.w_row, xq_u + tok * ku.q_row);
-      }
+      const uint8_t* xp = xq + (grp.pairs[p] / k_top) * kr.q_row;
+      for (int64_t n = n0; n < n1; ++n) out[p * F + n] = kr.dot(w + n * kr.w_row, xp);
     }
   });
   pool.run(n_pairs, [&](int64_t p) {
