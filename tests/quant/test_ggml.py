@@ -70,9 +70,10 @@ def _fixture_tensors() -> dict:
     return found
 
 
-def _blocks(qt: Q, rows: int = 64, cols: int = 256, seed: int = 0) -> np.ndarray:
-    """Real blocks uint8[rows, row_bytes]: a fixture tensor's first rows, else ggml's own quantizer."""
-    if qt in _fixture_tensors():
+def _blocks(qt: Q, rows: int = 64, cols: int = 256, seed: int = 0, fixture: bool = True) -> np.ndarray:
+    """Real blocks uint8[rows, row_bytes]: a fixture tensor's first rows (its own cols), else (or with
+    fixture=False) ggml's own quantizer on random rows of `cols` values."""
+    if fixture and qt in _fixture_tensors():
         path, name = _fixture_tensors()[qt]
         raw = GGUFFile(path).raw(name)
         return np.array(raw[:rows])
@@ -134,11 +135,11 @@ def test_vec_dot_types_match_ggml():
 def test_matmul_is_ggml_mul_mat_bitwise(qt):
     """This ggml has no llamafile sgemm (asserted), so its mul_mat is vec_dot at every M: same bits."""
     assert not _reference().has_llamafile()
-    raw = _blocks(qt)
     f = _jit_matmul(qt)
-    for m in (1, 3, 17):
-        x = _x(m, _cols(raw, qt), seed=m)
-        assert_bitwise_equal(np.asarray(f(x, raw)), _reference().mul_mat(x, raw, qt))
+    for raw in (_blocks(qt), _blocks(qt, rows=48, cols=2048, fixture=False)):
+        for m in (1, 3, 17):
+            x = _x(m, _cols(raw, qt), seed=m)
+            assert_bitwise_equal(np.asarray(f(x, raw)), _reference().mul_mat(x, raw, qt))
 
 
 def test_fixture_blocks_cover_the_file_types():
@@ -183,15 +184,16 @@ def test_matmul_within_bound_every_m(qt):
 
 @pytest.mark.parametrize("qt", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.IQ4_XS], ids=lambda t: t.name)
 def test_rows_are_batch_independent_bitwise(qt):
-    raw = _blocks(qt, rows=100)  # 100 rows: the last tile of weight rows is partial
     f = _jit_matmul(qt)
-    x = _x(37, _cols(raw, qt), seed=3)
-    full = np.asarray(f(x, raw))
-    for m in range(37):
-        assert_bitwise_equal(np.asarray(f(x[m:m + 1], raw)), full[m:m + 1])
-    assert_bitwise_equal(np.asarray(f(x[5:21], raw)), full[5:21])
-    assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=2), full)
-    assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=1), full)
+    # 100 rows: the last tile of weight rows is partial; K = 2048 (the 35B hidden size) and a fixture's 256.
+    for raw in (_blocks(qt, rows=100), _blocks(qt, rows=100, cols=2048, fixture=False)):
+        x = _x(37, _cols(raw, qt), seed=3)
+        full = np.asarray(f(x, raw))
+        for m in range(37):
+            assert_bitwise_equal(np.asarray(f(x[m:m + 1], raw)), full[m:m + 1])
+        assert_bitwise_equal(np.asarray(f(x[5:21], raw)), full[5:21])
+        assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=2), full)
+        assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=1), full)
 
 
 def test_matmul_leading_axes_and_mmap_views():
