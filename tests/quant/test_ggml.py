@@ -70,9 +70,10 @@ def _fixture_tensors() -> dict:
     return found
 
 
+@functools.cache
 def _blocks(qt: Q, rows: int = 64, cols: int = 256, seed: int = 0, fixture: bool = True) -> np.ndarray:
     """Real blocks uint8[rows, row_bytes]: a fixture tensor's first rows (its own cols), else (or with
-    fixture=False) ggml's own quantizer on random rows of `cols` values."""
+    fixture=False) ggml's own quantizer on random rows of `cols` values. Cached: callers must not write."""
     if fixture and qt in _fixture_tensors():
         path, name = _fixture_tensors()[qt]
         raw = GGUFFile(path).raw(name)
@@ -136,7 +137,7 @@ def test_matmul_is_ggml_mul_mat_bitwise(qt):
     """This ggml has no llamafile sgemm (asserted), so its mul_mat is vec_dot at every M: same bits."""
     assert not _reference().has_llamafile()
     f = _jit_matmul(qt)
-    for raw in (_blocks(qt), _blocks(qt, rows=48, cols=2048, fixture=False)):
+    for raw in (_blocks(qt), _blocks(qt, rows=16, cols=1024, fixture=False)):  # 1024: several super-blocks
         for m in (1, 3, 17):
             x = _x(m, _cols(raw, qt), seed=m)
             assert_bitwise_equal(np.asarray(f(x, raw)), _reference().mul_mat(x, raw, qt))
