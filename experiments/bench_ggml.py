@@ -9,8 +9,9 @@ Cells (random valid blocks; speed does not depend on the values):
   cycling through --copies distinct copies so a call reads cold memory, at every M in --sizes.
 - "experts": the grouped routed-expert op (--n_expert experts, top-8, Q4_K gate / up, Q6_K down) at
   N in --sizes, grouped and per_token.
-Engines: "ffi" (sharpi_jax.quant.ggml inside jit, XLA's intra-op pool) and "graph" (ggml's own
-`ggml_mul_mat` graph through ctypes, --threads threads). Every cell runs once unrecorded, then
+Engines: "ffi" (sharpi_jax.quant.ggml inside jit, XLA's intra-op pool), "host" (the same kernel through
+`ggml.host_matmul`, --threads threads) and "graph" (ggml's own `ggml_mul_mat` graph through ctypes,
+--threads threads; it starts its own thread pool per call, so compare it with "host" at --threads=1). Every cell runs once unrecorded, then
 --repeats interleaved rounds; printed: median [min-max] ms per call and GB/s of weight bytes read
 (expert op: bytes of the experts it reads), with the machine's copy bandwidth (experiments.bandwidth).
 Timings on a shared machine are noisy: read the spread.
@@ -41,7 +42,7 @@ flags.DEFINE_list("sizes", ["1", "16", "128"], "Activation rows M (expert op: to
 flags.DEFINE_list("lm_head_sizes", ["1"], "Rows M for the LM head.")
 flags.DEFINE_integer("copies", 32, "Distinct copies of each expert matrix (a call reads cold memory).")
 flags.DEFINE_integer("n_expert", 64, "Experts in the expert-op layer (35B-A3B has 256).")
-flags.DEFINE_integer("threads", 2, "Threads of ggml's own graph.")
+flags.DEFINE_integer("threads", 2, "Threads of the host engine and of ggml's own graph.")
 flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds.", lower_bound=1)
 flags.DEFINE_boolean("graph", True, "Also time ggml's own mul_mat graph.")
 flags.DEFINE_string("json_out", None, "Append one JSON line per cell to this file.")
@@ -78,6 +79,13 @@ def _matmul_cells(rng, name, qt, rows, cols, sizes, copies):
             f(x, dev[state["i"]]).block_until_ready()
 
         cells.append(dict(name=name, engine="ffi", m=m, bytes=mats[0].nbytes, run=ffi))
+        xh = np.asarray(x)
+
+        def host(xh=xh, state={"i": 0}):
+            state["i"] = (state["i"] + 1) % copies
+            ggml.host_matmul(xh, mats[state["i"]], qt, FLAGS.threads)
+
+        cells.append(dict(name=name, engine="host", m=m, bytes=mats[0].nbytes, run=host))
         if FLAGS.graph:
             graphs = [ggml_graph.MulMat(w, qt, m) for w in mats]
             xn = np.asarray(x)
