@@ -86,7 +86,10 @@ class MulMat:
 
     def __del__(self):
         if getattr(self, "ctx", None):
-            _libs()[0].ggml_free(self.ctx)
+            try:
+                _libs()[0].ggml_free(self.ctx)
+            except TypeError:  # interpreter shutdown: module globals already gone, the process frees it
+                pass
             self.ctx = None
 
 
