@@ -331,6 +331,8 @@ def test_expert_reads_and_bad_ids():
     assert ggml.expert_bytes(gate, up, down) == gate[0].nbytes + up[0].nbytes + down[0].nbytes
     with pytest.raises(InputError, match="expert id 4 out of range"):
         ggml.host_expert_rows(_x(3, 256), ids + 1, gate, up, down, EXPERT_CASES["Q8_0"])
+    with pytest.raises(Exception, match="expert id 4 out of range"):  # inside jit: the FFI call fails
+        ggml.expert_rows(_x(3, 256), ids + 1, gate, up, down, EXPERT_CASES["Q8_0"]).block_until_ready()
     with pytest.raises(InputError, match="mode"):
         ggml.expert_rows(_x(3, 256), ids, gate, up, down, EXPERT_CASES["Q8_0"], mode="dense")
     with pytest.raises(InputError, match="disagree"):
