@@ -12,8 +12,8 @@ Cells (random valid blocks; speed does not depend on the values):
 Engines: "ffi" (sharpi_jax.quant.ggml inside jit, XLA's intra-op pool), "host" (the same kernel through
 `ggml.host_matmul`, --threads threads) and "graph" (ggml's own `ggml_mul_mat` graph through ctypes,
 --threads threads; it starts its own thread pool per call, so compare it with "host" at --threads=1). Every cell runs once unrecorded, then
---repeats interleaved rounds; printed: median [min-max] ms per call and GB/s of weight bytes read
-(expert op: bytes of the experts it reads), with the machine's copy bandwidth (experiments.bandwidth).
+--repeats interleaved rounds; printed: median [min-max] wall ms per call, GB/s of weight bytes read
+(expert op: bytes of the experts it reads) and process CPU ms (summed over threads), with the machine's copy bandwidth (experiments.bandwidth).
 Timings on a shared machine are noisy: read the spread.
 """
 
@@ -59,10 +59,11 @@ def random_blocks(rng: np.random.Generator, qt: Q, rows: int, cols: int) -> np.n
     return raw.reshape(rows, -1)
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
+def _timed(fn) -> tuple[float, float]:
+    """(wall ms, process CPU ms: summed over threads, the steadier figure on a shared machine)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
 
 
 def _matmul_cells(rng, name, qt, rows, cols, sizes, copies):
@@ -138,16 +139,19 @@ def main(argv: Sequence[str]) -> None:
     if "experts" in FLAGS.parts:
         cells += _expert_cells(rng, sizes)
     times = interleaved(cells, lambda c: _timed(c["run"]), FLAGS.repeats, what="cells")
-    print(f"{'cell':28s} {'engine':9s} {'M':>4s} {'ms median [min-max]':>26s} {'GB/s median':>11s}")
-    for c, ts in zip(cells, times):
-        s = spread(ts)
+    print(f"{'cell':28s} {'engine':9s} {'M':>4s} {'wall ms median [min-max]':>28s} {'GB/s':>6s} "
+          f"{'CPU ms median [min-max]':>28s}")
+    for c, runs in zip(cells, times):
+        ts, cpu = [r[0] for r in runs], [r[1] for r in runs]
+        s, sc = spread(ts), spread(cpu)
         gbs = c["bytes"] / (s["median"] / 1e3) / 1e9
         print(f"{c['name']:28s} {c['engine']:9s} {c['m']:4d} {s['median']:12.3f} [{s['min']:.3f}-{s['max']:.3f}]"
-              f" {gbs:11.2f}")
+              f" {gbs:6.2f} {sc['median']:12.3f} [{sc['min']:.3f}-{sc['max']:.3f}]")
         if FLAGS.json_out:
             rec = dict(cell=c["name"], engine=c["engine"], m=c["m"], weight_bytes=c["bytes"],
                        copy_gbs=bw["median"], gbs=gbs)
             put_spread(rec, "ms", ts)
+            put_spread(rec, "cpu_ms", cpu)
             with open(FLAGS.json_out, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
 
