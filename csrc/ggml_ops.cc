@@ -261,9 +261,13 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
 // Returns "" or the problem (an expert id out of range).
 std::string expert_rows(const Pool& pool, const float* x, const int32_t* ids, int64_t n_tok, int64_t k_top,
                         const ExpertWeights& ew, int mode, float* y) {
-  for (int64_t p = 0; p < n_tok * k_top; ++p)
-    if (ids[p] < 0 || ids[p] >= ew.n_experts)
+  // id -1 marks a pair this call does not compute (another device's expert under expert parallelism):
+  // its output row is +0.0, so an integer sum of bit patterns over devices leaves the owner's bits.
+  for (int64_t p = 0; p < n_tok * k_top; ++p) {
+    if (ids[p] < -1 || ids[p] >= ew.n_experts)
       return "expert id " + std::to_string(ids[p]) + " out of range [0, " + std::to_string(ew.n_experts) + ")";
+    if (ids[p] == -1) std::fill(y + p * ew.d, y + (p + 1) * ew.d, 0.0f);
+  }
   if (n_tok == 0 || k_top == 0) return "";
   Kernel kg(ew.gate_type, ew.d), ku(ew.up_type, ew.d), kd(ew.down_type, ew.f);
   std::vector<uint8_t> xq_g(n_tok * kg.q_row), xq_u;
@@ -279,6 +283,7 @@ std::string expert_rows(const Pool& pool, const float* x, const int32_t* ids, in
     std::vector<Group> groups;
     for (int64_t p = 0; p < n_tok * k_top; ++p) {
       int64_t e = ids[p];
+      if (e < 0) continue;
       if (slot[e] < 0) {
         slot[e] = static_cast<int64_t>(groups.size());
         groups.push_back(Group{e, {}});
@@ -288,7 +293,7 @@ std::string expert_rows(const Pool& pool, const float* x, const int32_t* ids, in
     run_groups(pool, ew, groups, k_top, kg, ku, kd, xq_g.data(), xq_up, y);
   } else {
     for (int64_t p = 0; p < n_tok * k_top; ++p)
-      run_groups(pool, ew, {Group{ids[p], {p}}}, k_top, kg, ku, kd, xq_g.data(), xq_up, y);
+      if (ids[p] >= 0) run_groups(pool, ew, {Group{ids[p], {p}}}, k_top, kg, ku, kd, xq_g.data(), xq_up, y);
   }
   return "";
 }

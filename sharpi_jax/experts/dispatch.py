@@ -161,7 +161,7 @@ def experts_backend(experts: tuple[QTensor, QTensor, QTensor]) -> quant.Backend:
 class StackView:
     """What the composed loops read from expert stacks: `n_expert`, `load(e)` (expert e's three matrices
     as its backend's `expert_weight` gives them, read once per batch), `ffn(x, loaded)` (the unweighted
-    SwiGLU expert through the backend's `expert_matmul`) and `bytes_per_read` (None: not known)."""
+    SwiGLU expert by the backend's `expert_ffn`) and `bytes_per_read` (None: not known)."""
 
     def __init__(self, experts: tuple[QTensor, QTensor, QTensor]):
         self.experts = experts
@@ -173,10 +173,7 @@ class StackView:
         return tuple(self.backend.expert_weight(m, e) for m in self.experts)
 
     def ffn(self, x: jax.Array, loaded) -> jax.Array:
-        mm = self.backend.expert_matmul
-        (wg, wu, wd), (g_, u_, d_) = loaded, self.experts
-        h = jax.nn.silu(mm(x, wg, g_)) * mm(x, wu, u_)
-        return mm(h, wd, d_)
+        return self.backend.expert_ffn(x, loaded, self.experts)
 
 
 def _rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

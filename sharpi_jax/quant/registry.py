@@ -13,7 +13,8 @@ A backend (`Backend`, one module each under `sharpi_jax.quant.backends`) declare
   call per MoE layer for all N rows, e.g. a native kernel that reads each used expert once; signature
   `ExpertOp`) or, by default, per-expert hooks that `sharpi_jax.experts.dispatch` composes into its
   grouped / per-token loops: `expert_weight(w, e)` (expert e's matrix, read once per batch; default
-  `w.take(e)`) and `expert_matmul(x, we, w)` (rows x times that matrix; default `self.matmul`); and
+  `w.take(e)`), `expert_matmul(x, we, w)` (rows x times that matrix; default `self.matmul`) and
+  `expert_ffn` (one expert's SwiGLU from those; a backend with a fused op overrides it); and
   `weighted_reduce` (the rank-order top-k sum; default the shared jnp expression).
 
 `register(backend)` adds one (a backend from outside the package registers the same way); `get(name)`
@@ -82,6 +83,15 @@ class Backend:
     def expert_matmul(self, x: jax.Array, we: Any, w: QTensor) -> jax.Array:
         """Rows x [R, cols] times an `expert_weight` result -> [R, rows]; w: the stack (static info)."""
         return self.matmul(x, we)
+
+    def expert_ffn(self, x: jax.Array, loaded: tuple[Any, Any, Any], stacks: tuple[QTensor, QTensor, QTensor]
+                   ) -> jax.Array:
+        """The unweighted SwiGLU expert on rows x [R, D]: down (silu(gate x) * up x), from one expert's
+        `expert_weight` results (`stacks`: the three stacks, static info). A backend with a fused expert
+        op overrides this so the composed loops give that op's bits."""
+        (wg, wu, wd), (g, u, d) = loaded, stacks
+        h = jax.nn.silu(self.expert_matmul(x, wg, g)) * self.expert_matmul(x, wu, u)
+        return self.expert_matmul(h, wd, d)
 
     def weighted_reduce(self, y: jax.Array, w: jax.Array, opts: ExpertOptions) -> jax.Array:
         """sum_j w[:, j] * y[:, j] in rank order (y [N, k, D], w [N, k]): the routed experts' output."""
