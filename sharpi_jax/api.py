@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import os
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,6 +64,20 @@ def _kv_policy(kv_policy: Any, kv_budget: Any, kv_window: Any, kv_pool: Any, bas
     return snapkv.policy(kv_policy, kv_budget, kv_window, kv_pool)
 
 
+
+def _say_if_ggml_missing(asked: str, resolved: str) -> None:
+    """kernels="ggml" without its native extension is a one-line error naming the cause and the fix;
+    "auto" on CPU then runs "xla", and says so once."""
+    from sharpi_jax.quant import ggml  # pylint: disable=import-outside-toplevel
+
+    if ggml.available() or jax.default_backend() != "cpu":
+        return
+    if asked == "ggml":
+        raise ggml.GgmlUnavailableError(f"kernels='ggml' unavailable: {ggml.unavailable_reason()}")
+    if asked == "auto" and resolved == "xla":
+        warnings.warn(f"ggml CPU kernels unavailable, running kernels='xla' (slower): {ggml.unavailable_reason()}",
+                      stacklevel=3)
+
 class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""
 
@@ -92,6 +108,7 @@ class Engine:
                                                     **residency_options)
         run = self.run_config
         self.matrix_format = MatrixFormat(resolve_kernels(run.kernels), run.repack)
+        _say_if_ggml_missing(run.kernels, self.matrix_format.backend)
         if self.matrix_format.backend == "pallas" and expert_budget is not None:
             raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
                              "grouped kernel reads whole expert stacks (use kernels='xla')")
