@@ -3,7 +3,8 @@
 A backend (`Backend`, one module each under `sharpi_jax.quant.backends`) declares:
 
 - `name`, and `platforms`: the jax platforms it runs on; `auto` ranks it for `kernels="auto"` there
-  (highest wins; 0: never picked by "auto");
+  (highest wins; 0: never picked by "auto"); `unavailable()`: None, or why it cannot run here (a
+  native extension that did not load) and the fix, in one line ("auto" then skips it);
 - `serves(qtype, shape)`: whether it computes a matrix (or an expert stack [E, rows, cols]) of ggml type
   `qtype`; one it does not serve is held and computed by its `fallback` backend instead;
 - `layout(qtype, shape, repack)`: the `QTensor` layout it wants that matrix stored in (chosen once, at
@@ -63,6 +64,11 @@ class Backend:
     fallback: str | None = None  # holds and computes the matrices this backend does not serve
     repacks: tuple[str | None, ...] = (None, "auto")
     expert_rows: ExpertOp | None = None  # a whole grouped routed-expert op, or None: compose the hooks
+
+    def unavailable(self) -> str | None:
+        """None when the backend can run here; else why not and the fix, in one line (e.g. a native
+        extension that failed to load). "auto" skips it; naming it explicitly raises that line."""
+        return None
 
     def serves(self, qtype: int, shape: tuple[int, ...]) -> bool:
         """Whether this backend holds and computes a [..., rows, cols] tensor of ggml type `qtype`."""
@@ -135,13 +141,17 @@ def get(name: str) -> Backend:
 
 
 def resolve_kernels(kernels: str, platform: str | None = None) -> str:
-    """"auto" -> the highest-ranked backend for `platform` (default: jax's); other names are checked."""
+    """"auto" -> the highest-ranked available backend for `platform` (default: jax's); other names are
+    checked (registered, and `Backend.unavailable` is None)."""
     if kernels != AUTO:
         if kernels not in _REGISTRY:
             raise InputError(f"kernels must be one of {kernel_names()}, got {kernels!r}")
+        reason = _REGISTRY[kernels].unavailable()
+        if reason:
+            raise InputError(f"kernels={kernels!r} cannot run here: {reason}")
         return kernels
     platform = platform or jax.default_backend()
-    ranked = [b for b in _REGISTRY.values() if b.auto > 0 and platform in b.platforms]
+    ranked = [b for b in _REGISTRY.values() if b.auto > 0 and platform in b.platforms and not b.unavailable()]
     if not ranked:
         raise InputError(f"no kernel backend serves platform {platform!r} (registered: {names()})")
     return max(ranked, key=lambda b: b.auto).name

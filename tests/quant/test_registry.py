@@ -75,6 +75,15 @@ def test_registration_and_resolution(fake):
         MatrixFormat("fake", "int8")
 
 
+def test_an_unavailable_backend_names_why_and_auto_skips_it(fake, monkeypatch):
+    monkeypatch.setattr(fake, "platforms", ("cpu",))
+    assert quant.resolve_kernels("auto", "cpu") == "fake"  # ranked above xla on cpu
+    monkeypatch.setattr(fake, "unavailable", lambda: "the native library did not load; reinstall with pip")
+    assert quant.resolve_kernels("auto", "cpu") == "xla"
+    with pytest.raises(InputError, match="kernels='fake' cannot run here: the native library did not load"):
+        quant.resolve_kernels("fake")
+
+
 def test_matmul_goes_through_the_registered_backend(fake):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 256), dtype=np.float32))
