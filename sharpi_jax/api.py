@@ -66,17 +66,14 @@ def _kv_policy(kv_policy: Any, kv_budget: Any, kv_window: Any, kv_pool: Any, bas
 
 
 def _say_if_ggml_missing(asked: str, resolved: str) -> None:
-    """kernels="ggml" without its native extension is a one-line error naming the cause and the fix;
-    "auto" on CPU then runs "xla", and says so once."""
+    """kernels="auto" on CPU without ggml's native extension runs "xla", and says why once, with the
+    fix ("ggml" asked by name raises that line instead: `registry.resolve_kernels`)."""
     from sharpi_jax.quant import ggml  # pylint: disable=import-outside-toplevel
 
-    if ggml.available() or jax.default_backend() != "cpu":
-        return
-    if asked == "ggml":
-        raise ggml.GgmlUnavailableError(f"kernels='ggml' unavailable: {ggml.unavailable_reason()}")
-    if asked == "auto" and resolved == "xla":
-        warnings.warn(f"ggml CPU kernels unavailable, running kernels='xla' (slower): {ggml.unavailable_reason()}",
-                      stacklevel=3)
+    if asked == "auto" and resolved != "ggml" and jax.default_backend() == "cpu" and not ggml.available():
+        warnings.warn(f"ggml CPU kernels unavailable, running kernels={resolved!r} (slower): "
+                      f"{ggml.unavailable_reason()}", stacklevel=3)
+
 
 class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""

@@ -39,9 +39,10 @@ class GgmlBackend(Backend):
     platforms = ("cpu",)
     fallback = "xla"
 
-    @property
-    def auto(self) -> int:  # ranks above "xla" on CPU, but only where the extension loaded
-        return 30 if ggml.available() else 0
+    auto = 30  # above "xla" on CPU, where the extension loaded
+
+    def unavailable(self) -> str | None:
+        return ggml.unavailable_reason()
 
     def serves(self, qtype: int, shape: tuple[int, ...]) -> bool:
         qt = Q(qtype)
