@@ -9,13 +9,15 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import os
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import parallel as expert_parallelism
 from sharpi_jax.experts import residency as expert_residency
@@ -62,6 +64,17 @@ def _kv_policy(kv_policy: Any, kv_budget: Any, kv_window: Any, kv_pool: Any, bas
     return snapkv.policy(kv_policy, kv_budget, kv_window, kv_pool)
 
 
+
+def _say_if_ggml_missing(asked: str, resolved: str) -> None:
+    """kernels="auto" on CPU without ggml's native extension runs "xla", and says why once, with the
+    fix ("ggml" asked by name raises that line instead: `registry.resolve_kernels`)."""
+    from sharpi_jax.quant import ggml  # pylint: disable=import-outside-toplevel
+
+    if asked == "auto" and resolved != "ggml" and jax.default_backend() == "cpu" and not ggml.available():
+        warnings.warn(f"ggml CPU kernels unavailable, running kernels={resolved!r} (slower): "
+                      f"{ggml.unavailable_reason()}", stacklevel=3)
+
+
 class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""
 
@@ -92,11 +105,10 @@ class Engine:
                                                     **residency_options)
         run = self.run_config
         self.matrix_format = MatrixFormat(resolve_kernels(run.kernels), run.repack)
-        if self.matrix_format.backend == "pallas":
-            if expert_budget is not None:
-                raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
-                                 "grouped kernel reads whole expert stacks (use kernels='xla')")
-            run = self.run_config = run.replace(expert_mode=PALLAS_EXPERT_MODE)
+        _say_if_ggml_missing(run.kernels, self.matrix_format.backend)
+        if self.matrix_format.backend == "pallas" and expert_budget is not None:
+            raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
+                             "grouped kernel reads whole expert stacks (use kernels='xla')")
         self.mesh = None  # the expert-parallel Mesh (expert_parallel=N), else one device
         if expert_parallel is not None:
             n = expert_parallelism.check_expert_parallel(expert_parallel, self.config, expert_budget=expert_budget)
@@ -282,7 +294,9 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     model runs) and its fields as single options, which override it: prefill_buckets (prefill chunk
     sizes, each compiled once), expert_mode ("grouped" | "per_token" routed-expert dispatch; bitwise
     equal), row_kernel ("gemm" | "gemv"), gdn_chunk, kernels ("auto" | "xla" |
-    "pallas" | "reference": the matmul backend, "auto" = Pallas on a GPU, XLA elsewhere), repack
+    "pallas" | "reference" | any name registered in `sharpi_jax.quant.registry`: the kernel backend of
+    every matrix and routed-expert stack, "auto" = the best-ranked for the platform, Pallas on a GPU,
+    XLA elsewhere), repack
     ("auto": on XLA:CPU quantized matrices of >= 4M weights are repacked to int8 rows, lossy, 1 B/weight:
     the fast CPU path for an LM head; None: every matrix in its GGUF encoding, exact; "int8": all
     quantized matrices repacked); progress (tqdm bar; default: files >= 256 MiB),

@@ -17,10 +17,9 @@ from sharpi_jax.errors import GGUFError, InputError, UnsupportedArchitectureErro
 
 SUPPORTED_ARCHITECTURES = ("qwen35moe", "qwen35", "qwen3next")
 EXPERT_MODES = ("grouped", "per_token")  # bitwise equal per row; grouped reads each expert once per batch
-PALLAS_EXPERT_MODE = "pallas"  # set by kernels="pallas": the Pallas grouped-matmul + weighted-reduce kernels
 ROW_KERNELS = ("gemm", "gemv")
-KERNELS = ("auto", "xla", "pallas", "reference")  # matmul backends (sharpi_jax.quant.matmul)
-REPACKS = (None, "int8", "auto")  # explicit matrix repackings (sharpi_jax.quant.matmul.weight_layout)
+# Kernel backends ("auto" or a name registered in sharpi_jax.quant.registry) are checked at load.
+REPACKS = (None, "int8", "auto")  # explicit matrix repackings (a backend's `layout`, sharpi_jax.quant)
 # Prefill chunk sizes: a 128-token prompt runs as one 128-row chunk, not as a half-padding 256-row one.
 DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
 DEFAULT_GDN_CHUNK = 64
@@ -43,8 +42,9 @@ class RunConfig:
     gdn_solve: how that form solves its unit lower-triangular system per chunk: "substitution" (row by
         row in a loop; inference) or "inverse" (the inverse as a product of matrix powers: all
         matmuls, much cheaper to differentiate; training). Equal up to float rounding.
-    kernels: the matmul backend, "auto" (Pallas on a GPU, XLA elsewhere), "xla", "pallas" (then the
-        routed experts use the Pallas kernels too) or "reference" (exact dequantization + f32 dot).
+    kernels: the kernel backend of every matrix and routed-expert stack: "auto" (the best-ranked for
+        the platform: Pallas on a GPU, XLA elsewhere) or a registered name, "xla", "pallas" or "reference"
+        (exact dequantization + f32 dot); see `sharpi_jax.quant.registry` (checked at load).
     repack: explicit repacking of quantized matrices on XLA: "auto" (int8 rows for matrices of >= 4M
         weights), None (every matrix in its GGUF encoding) or "int8" (all); see sharpi_jax.quant.
     """
@@ -58,10 +58,10 @@ class RunConfig:
     repack: str | None = "auto"
 
     def __post_init__(self) -> None:
-        if self.expert_mode not in (*EXPERT_MODES, PALLAS_EXPERT_MODE):
+        if self.expert_mode not in EXPERT_MODES:
             raise InputError(f"expert_mode must be one of {EXPERT_MODES}, got {self.expert_mode!r}")
-        if self.kernels not in KERNELS:
-            raise InputError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if not isinstance(self.kernels, str) or not self.kernels:
+            raise InputError(f"kernels must be a backend name or 'auto', got {self.kernels!r}")
         if self.repack not in REPACKS:
             raise InputError(f"repack must be one of {REPACKS}, got {self.repack!r}")
         if self.row_kernel not in ROW_KERNELS:

@@ -68,12 +68,15 @@ def check_dispatch(n: int) -> dict:
 
     from sharpi_jax.experts import parallel
     from sharpi_jax.experts.dispatch import expert_rows
-    from sharpi_jax.experts.expert_weights import ExpertWeights
+    from gguf import GGMLQuantizationType
+
+    from sharpi_jax.testing.experts import expert_stacks, random_expert_bytes
     from tests.bitwise import bitwise_equal
 
     rng = np.random.default_rng(0)
     mesh = parallel.expert_mesh(n)
-    experts = ExpertWeights.random(rng, 2 * n, 256, 256, "q4_k").to_soa()
+    q4_k = int(GGMLQuantizationType.Q4_K)
+    experts = expert_stacks(random_expert_bytes(rng, 2 * n, 256, 256, q4_k), q4_k)
     sharded = jax.device_put(experts, jax.sharding.NamedSharding(mesh, parallel.P(parallel.EXPERT_AXIS)))
     u = jnp.asarray(rng.standard_normal((5, 256), dtype=np.float32))
     # top-3 of the first 2n - 2 experts: the last device owns no routed pair.

@@ -14,7 +14,7 @@ import pytest
 from sharpi_jax.errors import InputError, UnsupportedQuantError
 from sharpi_jax.quant import MatrixFormat, matmul, pack, pack_rows, reference_matmul, resolve_kernels, weight_layout
 from sharpi_jax.quant import qtensor
-from sharpi_jax.quant.matmul import quantize_rows_int8
+from sharpi_jax.quant.backends.xla import quantize_rows_int8
 from pallas_kernels import quant_blocks as qb
 from tests.bitwise import assert_bitwise_equal
 
@@ -185,7 +185,7 @@ def test_kernel_layout_lowers_for_triton_on_cpu():
 def test_large_matrices_dequantize_in_chunks_with_the_same_bits(monkeypatch, layout):
     """An LM-head-sized matrix is dequantized chunk by chunk inside the step (bounded memory); the
     result is bitwise the one-shot product, so chunking cannot break batched == sequential parity."""
-    mm = importlib.import_module("sharpi_jax.quant.matmul")
+    mm = importlib.import_module("sharpi_jax.quant.backends.reference")  # the dequantize-then-dot path
     rng = np.random.default_rng(10)
     w = pack(jnp.asarray(_raw(Q.Q8_0, rng, rows=96)), int(Q.Q8_0), (96, K), layout)
     x = jnp.asarray(rng.standard_normal((4, K), dtype=np.float32))

@@ -21,8 +21,7 @@ import numpy as np
 
 from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
-from sharpi_jax.experts.expert_weights import expert_storage, to_expert_storage
-from sharpi_jax.experts.provider import field_of
+from sharpi_jax.experts.provider import ExpertFormat, run_format
 from sharpi_jax.experts.residency import stats as _stats
 from sharpi_jax.experts.residency.counts import (COUNTS_FORMAT, COUNTS_SUFFIX, calibrate, counts_paths, load_counts,
                                                  save_counts)
@@ -43,7 +42,7 @@ class Residency:
         pinned = {i: s.resident[: s.n_pin] for i, s in plan.layers.items()}
         self.streamer = Streamer(f, sorted(plan.layers), config.d_model, config.expert_ff, pinned=pinned,
                                  counts=counts, prefetch_experts=prefetch_experts)
-        self._pending: dict = {}  # SoA fields of the slot stack being loaded
+        self._formats: dict[int, ExpertFormat] = {}  # how each managed layer's stacks are held
 
     # ----- model construction -----
     def experts_module(self, layer: int, run: RunConfig, shared: dict) -> ResidentExperts | None:
@@ -52,8 +51,10 @@ class Residency:
         spec = self.plan.layers.get(layer)
         if spec is None:
             return None
+        fmt = self._formats[layer] = self.streamer.formats[layer] = ExpertFormat(
+            run_format(run), spec.qtypes, spec.d_model, spec.d_ff)
         if spec.qtypes not in shared:
-            shared[spec.qtypes] = staging_buffer(spec)
+            shared[spec.qtypes] = staging_buffer(spec, fmt)
         return ResidentExperts(spec, self.streamer, shared[spec.qtypes], run)
 
     def source(self, layer: int, path: tuple) -> Callable[[], Any]:
@@ -64,19 +65,12 @@ class Residency:
         spec = self.plan.layers[layer]
         ids = np.asarray(spec.resident, np.int64)
         S, E = spec.n_slots, spec.n_expert
-        field = rest[0] if rest else None
+        fmt = self._formats[layer]
         if name == "staged":  # staging buffer: zeros until a batch streams into it
-            m = MATRICES.index(rest[0])
-            G = spec.staging if spec.cold != "host" else 0
-            want = expert_storage((G,) + matrix_shape(spec, rest[0]), spec.qtypes[m])
-            want = want[rest[1]] if len(rest) > 1 else want
-            return np.zeros(want.shape, want.dtype)
+            return fmt.zeros(spec.staging if spec.cold != "host" else 0, rest[0])
         if name in MATRICES:
-            m = MATRICES.index(name)
-            view = self.streamer.sources[layer].views[m]
-            shape = (S,) + matrix_shape(spec, name)
-            return field_of(self._pending, (layer, name), field,
-                            lambda: to_expert_storage(np.ascontiguousarray(view[ids]), shape, spec.qtypes[m]))
+            view = self.streamer.sources[layer].views[MATRICES.index(name)]
+            return fmt.pack(np.ascontiguousarray(view[ids]), name)
         if name == "lut":
             lut = np.full(E, -1, np.int32)
             lut[ids] = np.arange(S, dtype=np.int32)

@@ -31,7 +31,7 @@ import numpy as np
 
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
-from sharpi_jax.experts.expert_weights import qtype_name, row_bytes
+from sharpi_jax.quant import gguf_nbytes
 from sharpi_jax.experts.residency.policies import POLICIES, slot_policy
 from sharpi_jax.experts.streaming import COLD_MODES, DEFAULT_STREAM_MIN_ROWS
 from sharpi_jax.gguf.reader import GGUFFile
@@ -110,8 +110,7 @@ def layer_geometry(f: GGUFFile, c: ModelConfig) -> dict[int, tuple[tuple[int, in
     for i in range(c.n_layer if c.is_moe else 0):
         q = tuple(int(x) for x in expert_qtypes(f, i))
         F, D = c.expert_ff, c.d_model
-        n = [qtype_name(x) for x in q]
-        bpe = F * row_bytes(n[0], D) + F * row_bytes(n[1], D) + D * row_bytes(n[2], F)
+        bpe = gguf_nbytes(q[0], (F, D)) + gguf_nbytes(q[1], (F, D)) + gguf_nbytes(q[2], (D, F))
         out[i] = (q, bpe)
     return out
 
