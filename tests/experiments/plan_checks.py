@@ -4,6 +4,7 @@ before jax starts): load a GGUF as `info --plan` describes and print the bytes a
     python tests/experiments/plan_checks.py PATH EXPERT_BUDGET DEVICES
 """
 
+import gc
 import json
 import os
 import sys
@@ -30,12 +31,16 @@ def per_device(model) -> list[int]:
     return list(out.values())
 
 
-resident = sj.load(path, max_context=64)
-with_budget = sj.load(path, max_context=64, expert_budget=budget, expert_policy="static")
-parallel = sj.load(path, max_context=64, expert_parallel=devices)
-print(json.dumps({
-    "resident_bytes": sum(held_bytes(resident.model).values()),
-    "budget_device_bytes": sum(held_bytes(with_budget.model).values()),
-    "host_stream_bytes": with_budget.residency.plan.total_expert_bytes - with_budget.residency.plan.slot_bytes,
-    "expert_parallel_device_bytes": per_device(parallel.model),
-}))
+out = {}
+engine = sj.load(path, max_context=64)  # one engine alive at a time: the real-shape slices are large
+out["resident_bytes"] = sum(held_bytes(engine.model).values())
+del engine
+gc.collect()
+engine = sj.load(path, max_context=64, expert_budget=budget, expert_policy="static")
+out["budget_device_bytes"] = sum(held_bytes(engine.model).values())
+out["host_stream_bytes"] = engine.residency.plan.total_expert_bytes - engine.residency.plan.slot_bytes
+del engine
+gc.collect()
+engine = sj.load(path, max_context=64, expert_parallel=devices)
+out["expert_parallel_device_bytes"] = per_device(engine.model)
+print(json.dumps(out))
