@@ -2,12 +2,13 @@
 parallelism, computed from the tensor table and the loader's layouts (nothing is read or allocated).
 
 `plan(f, ...)` counts what `sj.load(path, ...)` holds after loading (before any generation): every
-trunk tensor but the routed experts in the layout the loader picks (`MatrixFormat` from RunConfig's
-defaults: on XLA:CPU large quantized matrices as int8 rows), the routed experts of the trunk's MoE
+trunk param but the routed experts, built from the loader's own recipes (`sharpi_jax.model.weights`:
+fused projections, each in the layout the loader picks for its size with RunConfig's defaults, on
+XLA:CPU int8 rows from 4M weights), the routed experts of the trunk's MoE
 layers in their GGUF bytes, and with an expert budget the resident slot stacks and the staging
 buffer as `plan_residency` places them (`sharpi_jax.experts.residency.plan`). The MTP block is loaded
-when speculative="mtp" is first used: its bytes are reported apart (`mtp_bytes`), as is one
-sequence's decode state at `max_context`.
+when speculative="mtp" is first used: its own tensors' file bytes are reported apart (`mtp_bytes`, an
+estimate: not checked against a load), as is one sequence's decode state at `max_context`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency.plan import minimum_budget, plan_residency
 from sharpi_jax.gguf.reader import GGUFFile, TensorInfo
 from sharpi_jax.gguf.writer import as_qtype, model_tensor_plan
+from sharpi_jax.model import weights
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.quant.qtensor import abstract, gguf_nbytes
 from sharpi_jax.runtime.state import state_bytes
@@ -45,24 +47,54 @@ def _block(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("blk.") else None
 
 
-def tensor_bytes(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat) -> dict[str, int]:
-    """Device bytes as loaded, by part: "dense" (trunk, experts excluded), "experts" (trunk routed
-    experts), "mtp" (the MTP block, loaded on first MTP use)."""
-    out = {"dense": 0, "experts": 0, "mtp": 0}
+_ATTENTION_PARAMS = ("w_qkv", "w_o", "q_norm", "k_norm")
+_GDN_PARAMS = ("w_in", "conv_w", "dt_bias", "a", "norm", "w_out")
+
+
+def _recipe_bytes(f, c: ModelConfig, fmt: MatrixFormat, recipe: weights.Recipe) -> int:
+    """Device bytes of one param as the loader builds it from its recipe (`weights._load`): a fused
+    projection holds each run of consecutive same-type matrices as ONE QTensor, whose layout depends
+    on the run's total size (repack="auto": int8 from 4M weights), vectors and conv weights float32."""
+    kind, names = recipe
+    if kind in (weights.ROWS, weights.ROWS_BA):
+        infos = [f.tensor(n) for n in names]
+        rows = [(int(t.qtype), t.shape[0], t.shape[-1]) for t in infos]
+        if kind == weights.ROWS_BA:  # qwen3next's ssm_ba: beta and alpha row blocks, each [Hv, D]
+            q, r, cols = rows.pop()
+            rows += [(q, r // 2, cols), (q, r // 2, cols)]
+        total, run = 0, None
+        for q, r, cols in rows + [(None, 0, 0)]:
+            if run is not None and run[0] == q:
+                run[1] += r
+                continue
+            if run is not None:
+                shape = (run[1], run[2])
+                total += abstract(run[0], shape, fmt.layout(run[0], shape)).nbytes
+            run = [q, r, cols]
+        return total
+    t = f.tensor(names[0])
+    if kind == weights.EMBEDDING:  # the GGUF bytes (float types as float arrays: the same bytes)
+        return t.nbytes
+    return 4 * t.n_elements  # VECTOR, CONV
+
+
+def tensor_bytes(f, c: ModelConfig, fmt: MatrixFormat) -> dict[str, int]:
+    """Device bytes as loaded, by part: "dense" (the trunk's params, routed experts excluded),
+    "experts" (the trunk's routed experts, their GGUF bytes), "mtp" (the MTP block's own tensors and
+    experts, loaded on first MTP use)."""
+    has = f.tensors.__contains__
+    recipes = list(weights.trunk_recipes(c, has).values())
+    for i in range(c.n_layer):
+        mixer = _GDN_PARAMS if c.recurrent_layers[i] else _ATTENTION_PARAMS  # the block's own mixer
+        recipes += [r for k, r in weights.block_recipes(c, i, has).items()
+                    if (k[0] != "mixer" or k[1] in mixer) and all(has(n) for n in r[1])]
+    out = {"dense": sum(_recipe_bytes(f, c, fmt, r) for r in recipes), "experts": 0, "mtp": 0}
     for name, t in f.tensors.items():
         b = _block(name)
-        part = "mtp" if b is not None and b >= c.n_layer else "dense"
         if "_exps." in name:
-            out["experts" if part == "dense" else "mtp"] += t.nbytes
-        elif len(t.shape) == 2 and name != "token_embd.weight" and not name.endswith("embed_tokens.weight"):
-            out[part] += abstract(int(t.qtype), t.shape, fmt.layout(int(t.qtype), t.shape)).nbytes
-        elif len(t.shape) == 2:  # embedding tables keep their GGUF bytes
-            out[part] += t.nbytes
-        else:  # vectors, conv weights: float32
-            out[part] += 4 * t.n_elements
-    if "output.weight" not in f.tensors:  # a tied head is its own matrix in the chosen layout
-        t = f.tensor("token_embd.weight")
-        out["dense"] += abstract(int(t.qtype), t.shape, fmt.layout(int(t.qtype), t.shape)).nbytes
+            out["experts" if b < c.n_layer else "mtp"] += t.nbytes
+        elif b is not None and b >= c.n_layer:
+            out["mtp"] += t.nbytes if len(t.shape) == 2 else 4 * t.n_elements
     return out
 
 

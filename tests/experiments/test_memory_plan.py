@@ -54,6 +54,26 @@ def test_plan_equals_what_load_holds(tmp_path):
     assert printed["resident_bytes"] == held["resident_bytes"]  # exact here: the same layouts, counted
 
 
+def test_fused_projections_are_counted_as_loaded(tmp_path, monkeypatch):
+    """repack="auto" picks int8 by a matrix's size, and the loader fuses same-type projections (shared
+    gate+up, attention q/k/v, GDN qkv+gate+beta+alpha) before choosing: with the threshold between a
+    tiny matrix and a fused pair, the plan must count the fused layouts (as on the real shapes)."""
+    import sharpi_jax as sj
+    from sharpi_jax.model.footprint import held_bytes
+    import importlib
+
+    matmul = importlib.import_module("sharpi_jax.quant.matmul")  # the module (the package exports a function of that name)
+
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", shape_preset("tiny", 4), qtype="Q4_K")
+    with GGUFFile(path) as f:
+        c = read_model_config(f)
+        unfused_threshold = plan(f, c)["resident_bytes"]
+        monkeypatch.setattr(matmul, "INT8_AUTO_MIN_WEIGHTS", 12000)  # one [64, 128] matrix below, a pair above
+        want = plan(f, c)["resident_bytes"]
+    assert want != unfused_threshold  # the threshold now changes layouts
+    assert want == sum(held_bytes(sj.load(path, max_context=64).model).values())
+
+
 def test_preset_plan_equals_the_written_file(tmp_path):
     """A shape preset is planned from the tensor table a converter would write: the same figures as the file."""
     config = shape_preset("tiny", 4)
