@@ -91,3 +91,38 @@ def test_generate_messages_is_the_rendered_prompt():
         engine.generate("x", messages=msgs)
     with pytest.raises(InputError, match="messages=\\[...\\] only"):
         engine.generate("x", enable_thinking=False)
+
+
+def _with_template(src: Path, out: Path) -> Path:
+    """A copy of `src` whose metadata carries TEMPLATE as tokenizer.chat_template (gguf-py's writer)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    with GGUFFile(src) as f:
+        w = gguf.GGUFWriter(out, f.architecture)
+        for key, field in reader.fields.items():
+            if not key.startswith("GGUF.") and key != "general.architecture":
+                sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                w.add_key_value(key, field.contents(), field.types[0], sub)
+        w.add_key_value("tokenizer.chat_template", TEMPLATE, gguf.GGUFValueType.STRING)
+        for name, t in f.tensors.items():
+            w.add_tensor(name, np.array(f.raw(name)), raw_shape=f.raw(name).shape, raw_dtype=t.qtype)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return out
+
+
+def test_cli_chat(tmp_path):
+    from tests.experiments.entry_point import ok, run_entry_point
+
+    res = run_entry_point("generate", "--chat", "--prompt=hi", "--max_new_tokens=2", cache=tmp_path)
+    assert res.returncode == 2 and "no tokenizer.chat_template" in res.stderr.strip().splitlines()[-1]
+    path = _with_template(DEFAULT, tmp_path / "chat.gguf")
+    res = ok(run_entry_point("generate", f"--gguf={path}", "--chat", "--system=Be brief.", "--prompt=def f(x):",
+                             "--noenable_thinking", "--max_new_tokens=3", "--json", cache=tmp_path))
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    with GGUFFile(path) as f:
+        tok = Tokenizer.from_gguf_fields(f.metadata)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+    assert out["stats"]["prompt_tokens"] == len(tok.apply_chat_template(msgs, tokenize=True, enable_thinking=False))
+    assert out["stats"]["prompt_tokens"] != len(tok.apply_chat_template(msgs, tokenize=True))
