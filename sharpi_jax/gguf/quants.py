@@ -401,7 +401,6 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     Q.IQ4_NL: _iq4_nl,
     Q.IQ4_XS: _iq4_xs,
     Q.MXFP4: _mxfp4,
-    Q.NVFP4: _nvfp4,
     Q.TQ1_0: _tq1_0,
     Q.TQ2_0: _tq2_0,
     Q.IQ1_S: _iq1_s,
@@ -412,6 +411,8 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     Q.IQ3_XXS: _iq3_xxs,
     Q.IQ3_S: _iq3_s,
 }
+if hasattr(Q, "NVFP4") and Q.NVFP4 in GGML_QUANT_SIZES:  # gguf >= 0.18 knows NVFP4
+    _DECODERS[Q.NVFP4] = _nvfp4
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DECODERS)
 
