@@ -22,7 +22,7 @@ import sys
 
 from absl import app, flags, logging
 
-from sharpi_jax.errors import SharpiError
+from sharpi_jax.errors import InputError, SharpiError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("gguf", None, "GGUF model file (default: the embedded default model).")
@@ -59,6 +59,11 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0: call j
                     "first (multi-host expert parallelism; every process runs the same command).")
 flags.DEFINE_integer("num_processes", None, "With --coordinator_address: the number of processes.")
 flags.DEFINE_integer("process_id", None, "With --coordinator_address: this process's index (0 prints).")
+flags.DEFINE_bool("chat", False, "Treat --prompt as a user message: render it (after --system) with the GGUF's chat "
+                  "template and generate from the result's token ids.")
+flags.DEFINE_string("system", None, "With --chat: a system message before the user message.")
+flags.DEFINE_bool("enable_thinking", None, "With --chat: the template's thinking switch (Qwen3.5: "
+                  "--noenable_thinking closes an empty <think> block); unset: the template's default.")
 flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
@@ -98,8 +103,8 @@ def main(argv) -> int:
             out, compare = _compare(engine, sampling, spec)
         else:
             if FLAGS.warmup:
-                engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature, **spec)
-            out = engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **spec)
+                engine.generate(_prompt(engine), max_new_tokens=2, temperature=FLAGS.temperature, **spec)
+            out = engine.generate(_prompt(engine), max_new_tokens=FLAGS.max_new_tokens, **sampling, **spec)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -109,7 +114,7 @@ def main(argv) -> int:
         print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats,
                           **({"compare": compare} if compare else {}), **parallel_info}))
     else:
-        print(FLAGS.prompt + out.text)
+        print((engine.tokenizer.decode(_prompt(engine)) if FLAGS.chat else FLAGS.prompt) + out.text)
         s = out.stats
         print(f"[{s['prompt_tokens']} prompt tokens, {s['prefill_tok_s']:.1f} tok/s prefill; "
               f"{s['generated_tokens']} generated, {s['decode_tok_s']:.1f} tok/s decode; "
@@ -142,6 +147,18 @@ def main(argv) -> int:
     return 0
 
 
+def _prompt(engine):
+    """--prompt, or with --chat its token ids through the chat template (--system, --enable_thinking)."""
+    if not FLAGS.chat:
+        if FLAGS.system is not None or FLAGS.enable_thinking is not None:
+            raise InputError("--system / --enable_thinking need --chat")
+        return FLAGS.prompt
+    messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system is not None else []) + \
+        [{"role": "user", "content": FLAGS.prompt}]
+    thinking = {} if FLAGS.enable_thinking is None else {"enable_thinking": FLAGS.enable_thinking}
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **thinking)
+
+
 def _start_devices() -> dict:
     """Before jax starts: join the multi-host job (--coordinator_address) and, for --expert_parallel on
     CPU, ask XLA for that many host devices. Returns what --json reports about it."""
@@ -168,7 +185,7 @@ def _compare(engine, sampling: dict, spec: dict):
     quiet = FLAGS.json
 
     def run(kw):
-        return engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **kw)
+        return engine.generate(_prompt(engine), max_new_tokens=FLAGS.max_new_tokens, **sampling, **kw)
 
     results = interleaved(modes, run, FLAGS.repeats, what="modes (MTP off, MTP)",
                           log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True)))

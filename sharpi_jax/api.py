@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +169,22 @@ class Engine:
             return self.check_ids(ids)
         return self.check_ids(ids_or_text)
 
+    def _chat_ids(self, ids_or_text: Any, messages: Any, enable_thinking: bool | None,
+                  chat_template_kwargs: Mapping[str, Any] | None) -> Any:
+        """The prompt: `ids_or_text`, or the token ids of `messages` rendered by the chat template."""
+        if messages is None:
+            if enable_thinking is not None or chat_template_kwargs is not None:
+                raise InputError("enable_thinking and chat_template_kwargs apply to messages=[...] only")
+            if ids_or_text is None:
+                raise InputError("generate needs a prompt (text or token ids) or messages=[...]")
+            return ids_or_text
+        if ids_or_text is not None:
+            raise InputError("give either a prompt or messages=[...], not both")
+        options = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            options["enable_thinking"] = bool(enable_thinking)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
+
     # ----- forward -----
     def forward(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Teacher-forced (logits [T, vocab], final-normed hidden [T, D]), float32, chunked prefill."""
@@ -221,13 +237,20 @@ class Engine:
         """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
         return expert_residency.calibrate(self, prompts, save)
 
-    def generate(self, ids_or_text: Any, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+    def generate(self, ids_or_text: Any = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
                  tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
                  kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None) -> GenerateOutput:
+                 kv_pool: int | None = None, *, messages: Sequence[Mapping[str, Any]] | None = None,
+                 enable_thinking: bool | None = None, chat_template_kwargs: Mapping[str, Any] | None = None
+                 ) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
+
+        messages=[{"role": ..., "content": ...}, ...] instead of a prompt: the chat rendered by the file's
+        chat template with the generation prompt (`tokenizer.apply_chat_template`, special tokens parsed),
+        then generated from as token ids. enable_thinking (Qwen3.5's switch) and chat_template_kwargs
+        are passed to the template as variables.
 
         speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
         in one pass ("batched") or token by token ("sequential", the reference). The tokens are exactly
@@ -268,7 +291,7 @@ class Engine:
             raise InputError("speculative='mtp_tree' over a SnapKV-evicted cache is not supported yet: use "
                              "speculative='mtp' with kv_policy='snapkv', or mtp_tree without eviction")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-        ids = self._prompt_ids(ids_or_text)
+        ids = self._prompt_ids(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs))
         before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if stop_on_eos else ()
         if speculative == "mtp":

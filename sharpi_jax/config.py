@@ -376,6 +376,24 @@ def qwen36_35b_a3b(n_layer: int = 40, n_nextn: int = 1) -> ModelConfig:
         dense_ff=0)
 
 
+def qwen35_122b_a10b(n_layer: int = 48, n_nextn: int = 1) -> ModelConfig:
+    """The Qwen3.5-122B-A10B shapes (published config: 48 layers, hidden 3072, 32/2 attention heads of
+    256, GDN 16 key / 64 value heads of 128, 256 experts top-8 of FFN 1024 plus a shared expert of
+    1024, vocab 248320; sources in configs/models.json), optionally with fewer trunk layers."""
+    return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
+        d_model=3072, n_head=32, n_head_kv=2, ssm_dt_rank=64, ssm_d_inner=8192, n_expert=256, n_expert_used=8,
+        expert_ff=1024, shared_expert_ff=1024)
+
+
+def qwen35_397b_a17b(n_layer: int = 60, n_nextn: int = 1) -> ModelConfig:
+    """The Qwen3.5-397B-A17B shapes (published config: 60 layers, hidden 4096, 32/2 attention heads of
+    256, GDN 16 key / 64 value heads of 128, 512 experts top-10 of FFN 1024 plus a shared expert of
+    1024, vocab 248320; sources in configs/models.json), optionally with fewer trunk layers."""
+    return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
+        d_model=4096, n_head=32, n_head_kv=2, ssm_dt_rank=64, ssm_d_inner=8192, n_expert=512, n_expert_used=10,
+        expert_ff=1024, shared_expert_ff=1024)
+
+
 def qwen35_27b(n_layer: int = 64, n_nextn: int = 1) -> ModelConfig:
     """The dense Qwen3.5/3.6-27B shapes (published config: 64 layers, hidden 5120, FFN 17408, 24/4 heads
     of 256, GDN 16 key / 48 value heads of 128), optionally with fewer trunk layers."""
@@ -398,7 +416,8 @@ def tiny_qwen35moe(n_layer: int = 4, n_nextn: int = 1) -> ModelConfig:
         n_expert=16, n_expert_used=4, expert_ff=64, shared_expert_ff=64)
 
 
-SHAPE_PRESETS = {"tiny": tiny_qwen35moe, "qwen36-35b-a3b": qwen36_35b_a3b, "qwen35-27b": qwen35_27b}
+SHAPE_PRESETS = {"tiny": tiny_qwen35moe, "qwen36-35b-a3b": qwen36_35b_a3b, "qwen35-27b": qwen35_27b,
+                 "qwen35-122b-a10b": qwen35_122b_a10b, "qwen35-397b-a17b": qwen35_397b_a17b}
 
 
 def shape_preset(name: str, n_layer: int | None = None) -> ModelConfig:
