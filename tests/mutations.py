@@ -153,6 +153,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/experts/test_expert_parallel.py",),
     ),
     Mutation(
+        "expert_parallel_second_collective",
+        "expert parallelism: ONE psum over the expert axis, 4*k*D bytes per token and MoE layer",
+        "sharpi_jax/experts/parallel.py",
+        (("return jax.lax.bitcast_convert_type(jax.lax.psum(bits, EXPERT_AXIS), jnp.float32)",
+          "return jax.lax.bitcast_convert_type(jax.lax.pmax(jax.lax.psum(bits, EXPERT_AXIS), EXPERT_AXIS), "
+          "jnp.float32)  # MUTATION: a second all-reduce"),),
+        ("tests/experts/test_expert_parallel.py", "-k", "compiled_collectives"),
+        ("tests/experts/test_expert_parallel.py",),
+    ),
+    Mutation(
+        "tree_row_view_shifted",
+        "tree verify: every node's logits, hidden and GDN snapshot == decode along its root path, bitwise",
+        "sharpi_jax/model/tree.py",
+        (("own = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel, 0, W - 1), (anc.shape[0], n_slots)), axis=1)",
+          "own = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel - 1, 0, W - 1), (anc.shape[0], n_slots)), "
+          "axis=1)  # MUTATION: each row's view misses its own key"),),
+        ("tests/runtime/test_tree.py::test_tree_nodes_bitwise_equal_decode_along_root_path[qwen35moe-F32]",),
+        ("tests/runtime/test_tree.py",),
+    ),
+    Mutation(
         "int8_repack_truncates",
         "int8 repacking stays within half a step per weight (max|row| / 254)",
         "sharpi_jax/quant/qtensor.py",
