@@ -131,7 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "sharpi_jax/runtime/speculative.py",
         (("            out.append(tok)\n            if tok in stop_ids:\n                return out, \"eos\"\n",
           "            if out and out[-1] in stop_ids:  # MUTATION: one token late\n"
-          "                return out, \"eos\"\n            out.append(tok)\n"),),
+          "                return out + [tok], \"eos\"\n            out.append(tok)\n"),),
         ("tests/runtime/test_speculative.py::test_stats_and_stops",),
         ("tests/test_api.py::test_eos_inside_accepted_drafts_stops_generate", "tests/runtime/test_tree.py"),
     ),
