@@ -13,8 +13,9 @@ F32/Q8_0):
 - each device holds exactly 1/4 of the routed-expert bytes (E/4 experts of every matrix, in their
   storage encoding) and the dense params in full;
 - greedy tokens (32, EOS ignored) equal one device's and MTP (batched verify, 3 drafts) tokens equal
-  them, teacher-forced MTP logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow tier (each file compiles its
-  own generation graphs, ~25 s of CPU each; the sharded dispatch does not depend on the arch);
+  them, teacher-forced MTP logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow
+  tier (each file compiles its own generation graphs, ~25 s of CPU each; the sharded dispatch does not
+  depend on the arch);
 - a 2-process `jax.distributed` run of `experiments.generate --expert_parallel=2` (one CPU device per
   process) prints the one-device greedy tokens.
 - the compiled HLO: one all-reduce of int32 [rows, k, D] per MoE layer, no other collective.

@@ -111,7 +111,8 @@ def window_queries_numpy(gguf_path, config, layer: int, a: np.ndarray, positions
 
     def tensor(name):
         x = t[name]
-        return np.asarray(dequantize(x.data, x.tensor_type), np.float64).reshape(tuple(int(s) for s in reversed(x.shape)))
+        shape = tuple(int(s) for s in reversed(x.shape))  # gguf-py lists ggml's order: innermost first
+        return np.asarray(dequantize(x.data, x.tensor_type), np.float64).reshape(shape)
 
     c = config
     wq = tensor(f"blk.{layer}.attn_q.weight")  # [2 * Hq * hd, D]
