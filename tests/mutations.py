@@ -44,6 +44,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_snapkv.py",),
     ),
     Mutation(
+        "snapkv_mtp_cache_oversized",
+        "SnapKV memory: every attention cache, the MTP block's too, holds kv_budget + max_new_tokens slots",
+        "sharpi_jax/runtime/kv_eviction.py",
+        (("(cache,) = compact_all([cache], qs, n_rows, kv, capacity)",
+          "(cache,) = compact_all([cache], qs, n_rows, kv, capacity + 16)  # MUTATION: an oversized MTP cache"),),
+        ("tests/runtime/test_snapkv.py::test_kept_positions_equal_numpy_reference[tiny-qwen35moe]",),
+        ("tests/runtime/test_snapkv.py",),
+    ),
+    Mutation(
         "tree_chain_only",
         "the tree is the greedy chain plus the best other candidates by cumulative log-prob",
         "sharpi_jax/runtime/tree_draft.py",
