@@ -1,6 +1,8 @@
-"""SnapKV prefill eviction: kept positions == a plain numpy SnapKV, a budget >= the prompt is bitwise the
-path without eviction, and on an evicted cache MTP batched verify == sequential verify (every row,
-bitwise) == plain decoding with the same eviction (greedy and seeded sampling), three archs.
+"""SnapKV prefill eviction: kept positions == a plain numpy SnapKV (also on window queries recomputed in
+numpy from the GGUF weights), the compacted decode == an independent decode on the full cache with the
+evicted positions masked out (`snapkv_reference`), a budget >= the prompt is bitwise the path without
+eviction, and on an evicted cache MTP batched verify == sequential verify (every row, bitwise) == plain
+decoding with the same eviction (greedy and seeded sampling), three archs.
 
 Prompts are a 128-token cut of each fixture's long prompt (prompt 3), so eviction really drops most of
 it (budget 64). The fast tier runs k in FAST_KS, the slow tier the rest of 1..7 and the quantized
