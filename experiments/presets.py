@@ -47,6 +47,10 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
         return default_model_path()
     if "gguf" in spec:
         return resolve_model(spec["gguf"])
+    if spec.get("trained") == "research":
+        from experiments.research_model import research_model_path
+
+        return research_model_path()
     if "fixture" in spec:
         p = FIXTURES_DIR / spec["fixture"]
         if not p.exists():
@@ -63,7 +67,7 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
                                  name=name)
             tmp.rename(p)
         return p
-    raise InputError(f"preset {name!r} in {MODELS_FILE} has no embedded/fixture/synthetic/gguf entry")
+    raise InputError(f"preset {name!r} in {MODELS_FILE} has no embedded/fixture/synthetic/gguf/trained entry")
 
 
 def release_compiled_code() -> None:
