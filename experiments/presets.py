@@ -18,6 +18,9 @@ from sharpi_jax.testing import write_synthetic_gguf
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_FILE = REPO_ROOT / "configs" / "models.json"
 FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
+# Held-out Python text for routing experiments: this repository's sources (not in the stdlib training corpus).
+HELD_OUT_SOURCES = ("sharpi_jax/api.py", "sharpi_jax/experts/residency/plan.py", "sharpi_jax/runtime/speculative.py",
+                    "sharpi_jax/gguf/reader.py", "sharpi_jax/model/gated_delta_net.py", "sharpi_jax/quant/qtensor.py")
 
 
 def cache_dir() -> Path:

@@ -3,8 +3,8 @@
     python -m experiments.routing_stats                       # the research model (built on first use)
     python -m experiments.routing_stats --model=PATH_OR_PRESET [--tokens=512] [--out_dir=results/routing]
 
-Routes held-out Python text (this repository's own sources: not in the stdlib training corpus) through
-the trunk (`sharpi_jax.runtime.routing.trace_routing`, teacher-forced) and prints per MoE layer
+Routes held-out Python text (`experiments.presets.HELD_OUT_SOURCES`: this repository's sources, not in
+the stdlib training corpus) through the trunk (`sharpi_jax.runtime.routing.trace_routing`, teacher-forced) and prints per MoE layer
 (`sharpi_jax.experts.routing_stats`): expert load skew (CV, max/mean, normalised entropy), reuse
 between consecutive tokens, the overlap of a token's experts with the next --drafts tokens' (the rows
 its MTP drafts fill when accepted), the distinct experts of a verify pass of 1 + drafts rows, and the
@@ -27,10 +27,6 @@ flags.DEFINE_integer("tokens", 512, "Tokens per sequence.")
 flags.DEFINE_integer("sequences", 4, "Sequences (source files) routed.")
 flags.DEFINE_integer("drafts", 3, "MTP draft tokens k: draft overlap over k tokens, pass union over k + 1 rows.")
 flags.DEFINE_string("out_dir", "results/routing", "Where the JSON and the figure go.")
-
-SOURCES = ("sharpi_jax/api.py", "sharpi_jax/experts/residency/plan.py", "sharpi_jax/runtime/speculative.py",
-           "sharpi_jax/gguf/reader.py", "sharpi_jax/model/gated_delta_net.py", "sharpi_jax/quant/qtensor.py")
-
 
 def random_twin(path: Path) -> Path:
     """A random-weight GGUF of the same config as `path` (cached beside the synthetic presets)."""
@@ -88,13 +84,13 @@ def main(argv) -> None:
 
     import sharpi_jax as sj
 
-    from experiments.presets import REPO_ROOT, resolve_model
+    from experiments.presets import HELD_OUT_SOURCES, REPO_ROOT, resolve_model
     from experiments.timing import line_buffered
 
     line_buffered()
     path = resolve_model(FLAGS.model)
     tok = sj.load(path, max_context=64).tokenizer
-    ids_list = [tok.encode((REPO_ROOT / s).read_text())[: FLAGS.tokens] for s in SOURCES[: FLAGS.sequences]]
+    ids_list = [tok.encode((REPO_ROOT / s).read_text())[: FLAGS.tokens] for s in HELD_OUT_SOURCES[: FLAGS.sequences]]
     results = {}
     for name, p in (("trained", path), ("random", random_twin(path))):
         trace, c = trace_model(p, ids_list)
