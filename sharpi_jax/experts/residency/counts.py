@@ -43,21 +43,21 @@ def load_counts(source: Any, model_path: str | os.PathLike[str], c: ModelConfig
             if source is not None:
                 raise InputError(f"expert counts file {shown(str(source))} does not exist (or is not a file)")
             return None, None
-        where = shown(str(found[0]), 200)
+        where = str(found[0])
         try:
             data = json.loads(found[0].read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"expert counts file {where}: {shown(str(e))}") from None
+            raise InputError(f"expert counts file {shown(where, 200)}: {shown(str(e))}") from None
     try:
         layers = data.get("layers", data)
         out = {_layer(i): [_count(x) for x in v] for i, v in layers.items()}
     except (TypeError, ValueError, AttributeError, OverflowError):
-        raise InputError(f"expert counts {where}: expected {{'layers': {{layer: [n_expert counts]}}}} with "
-                         "non-negative integer counts") from None
+        raise InputError(f"expert counts {shown(where, 200)}: expected {{'layers': {{layer: [n_expert "
+                         "counts]}} with non-negative integer counts") from None
     bad = [i for i, v in out.items() if len(v) != c.n_expert]
     if bad:
-        raise InputError(f"expert counts {where}: layer {bad[0]} has {len(out[bad[0]])} counts, the model has "
-                         f"{c.n_expert} experts")
+        raise InputError(f"expert counts {shown(where, 200)}: layer {bad[0]} has {len(out[bad[0]])} counts, "
+                         f"the model has {c.n_expert} experts")
     return out, where
 
 
