@@ -8,6 +8,7 @@ the tokens are the all-resident tokens bit for bit, whatever the budget and poli
 - `slots`: `ResidentExperts`, a layer's slot stack + LUT + ring state, the provider its MoE calls;
 - `counts`: calibrated routing counts for "frequency" (`calibrate`, saved beside the model);
 - `stats`: counters and what a run cost (hit rate, bytes streamed, host work);
+- `options`: the load options' types and ranges, checked before anything is planned;
 - this module: `configure` (the load options) and `Residency` (a plan bound to an open GGUF).
 
 Cold experts are served by `sharpi_jax.experts.streaming` (one host callback per layer and batch).
@@ -25,6 +26,7 @@ from sharpi_jax.experts.provider import ExpertFormat, run_format
 from sharpi_jax.experts.residency import stats as _stats
 from sharpi_jax.experts.residency.counts import (COUNTS_FORMAT, COUNTS_SUFFIX, calibrate, counts_paths, load_counts,
                                                  save_counts)
+from sharpi_jax.experts.residency.options import OPTION_NAMES, check_options, check_policy
 from sharpi_jax.experts.residency.plan import (LayerSpec, ResidencyPlan, budget_for_fraction, layer_geometry,
                                                minimum_budget, non_expert_bytes, parse_expert_budget, plan_residency)
 from sharpi_jax.experts.residency.policies import POLICIES, SlotPolicy, slot_policy
@@ -97,9 +99,6 @@ class Residency:
         return _stats.resident_bytes(runtime.expert_cache_arrays(), what)
 
 
-OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",
-                "expert_prefetch", "device_budget")
-
 
 def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None,
               expert_policy: str = "frequency", **options: Any) -> Residency | None:
@@ -111,10 +110,9 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     expert_cold ("auto" | "stream" | "host"), expert_stream_min_rows, expert_prefetch (experts
     madvise'd ahead per layer).
     """
-    unknown = sorted(set(options) - set(OPTION_NAMES))
-    if unknown:
-        raise InputError(f"unknown load option(s) {unknown}; residency options are {OPTION_NAMES}")
-    device_budget = options.get("device_budget")
+    expert_policy = check_policy(expert_policy)
+    options = check_options(options)  # types and ranges, before anything is read or planned
+    device_budget = options["device_budget"]
     if expert_budget is not None and config.is_moe:
         expert_budget = parse_expert_budget(expert_budget, f, config)
     if expert_budget is None and device_budget is None:
@@ -126,8 +124,6 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     if not config.is_moe:
         raise InputError(f"expert_budget applies to MoE models; {f.source} ({config.arch}) has no routed experts")
     if device_budget is not None:
-        if isinstance(device_budget, bool) or not isinstance(device_budget, (int, np.integer)) or device_budget < 0:
-            raise InputError(f"device_budget must be a non-negative integer number of bytes, got {device_budget!r}")
         dense = non_expert_bytes(f, config)
         min_exp = minimum_budget(f, config)
         if device_budget < dense + min_exp:
@@ -139,8 +135,8 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     plan = plan_residency(f, config, expert_budget, expert_policy, counts, counts_source=source,
                           staging=options.get("expert_staging"), ring=options.get("expert_ring"),
                           cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"))
-    prefetch = options.get("expert_prefetch")
-    return Residency(f, config, plan, counts, 16 if prefetch is None else int(prefetch))
+    prefetch = options["expert_prefetch"]
+    return Residency(f, config, plan, counts, 16 if prefetch is None else prefetch)
 
 
 __all__ = ["COUNTS_FORMAT", "COUNTS_SUFFIX", "CTR", "ExpertCache", "LayerSpec", "OPTION_NAMES", "POLICIES", "Residency",
