@@ -14,17 +14,15 @@ from typing import Any, Callable
 
 import jax
 from flax import nnx
+from gguf import GGMLQuantizationType as Q
 
 from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
 from sharpi_jax.experts.dispatch import routed_experts
-from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, qtype_name, storage_values,
+from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, storage_values,
                                                storage_variables, to_expert_storage)
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
-
-# Routed-expert types the Pallas kernels dequantize in-kernel (expert_mode "pallas", set by
-# kernels="pallas"); a layer whose experts have another type keeps the "grouped" XLA dispatch.
-PALLAS_EXPERT_TYPES = ("f32", "f16", "q8_0", "q4_k")
+from sharpi_jax.quant.backend_used import pallas_fallback_reason
 
 
 def matrix_shape(n: int, d_model: int, d_ff: int, which: str) -> tuple[int, int, int]:
@@ -40,11 +38,31 @@ class RoutedExperts(nnx.Module):
         """qtypes: (gate, up, down) ggml type ids; run: the dispatch (expert_mode, row_kernel)."""
         self.n_expert, self.d_model, self.d_ff = n_expert, d_model, d_ff
         self.mode, self.row_kernel = run.expert_mode, run.row_kernel
-        if self.mode == PALLAS_EXPERT_MODE and any(qtype_name(q) not in PALLAS_EXPERT_TYPES for q in qtypes):
-            self.mode = "grouped"
         self.qtypes = tuple(int(q) for q in qtypes)
+        # kernels="pallas" (expert_mode "pallas"): a layer with a matrix the kernels cannot take runs the
+        # "grouped" XLA dispatch; `matrix_backends` reports it (and sj.load warns).
+        self.fallback: tuple[tuple[str, str], ...] = ()  # (matrix, why it is not on the Pallas kernels)
+        if self.mode == PALLAS_EXPERT_MODE:
+            reasons = {w: pallas_fallback_reason(q, self._shape(w), experts=True)
+                       for w, q in zip(EXPERT_MATRICES, self.qtypes)}
+            if any(reasons.values()):
+                self.mode = "grouped"
+                bad = ", ".join(f"ffn_{w}_exps" for w, r in reasons.items() if r)
+                self.fallback = tuple((w, r or f"its layer runs the grouped XLA dispatch ({bad} fall back)")
+                                      for w, r in reasons.items())
         for which, q in zip(EXPERT_MATRICES, self.qtypes):
             setattr(self, which, storage_variables(expert_storage(matrix_shape(n_expert, d_model, d_ff, which), q)))
+
+    def _shape(self, which: str) -> tuple[int, int]:
+        """One expert's [N, K] for matrix `which`."""
+        return matrix_shape(1, self.d_model, self.d_ff, which)[1:]
+
+    def matrix_backends(self) -> dict[str, dict]:
+        """Per matrix ("gate" / "up" / "down"): ggml type, one expert's [N, K], the backend it runs on
+        ("pallas" or "xla") and, for a fallback under kernels="pallas", why."""
+        backend = "pallas" if self.mode == PALLAS_EXPERT_MODE else "xla"
+        return {w: {"type": Q(q).name, "shape": self._shape(w), "backend": backend, "why": dict(self.fallback).get(w)}
+                for w, q in zip(EXPERT_MATRICES, self.qtypes)}
 
     def weights(self) -> ExpertWeights:
         """The dispatch module's view of these experts (no copy)."""

@@ -5,6 +5,8 @@ experts, vectors). `decode_read_bytes(model)` is what one decoded token reads wi
 layouts: every non-expert matrix whole, one embedding row, and top-k experts per MoE layer (the
 grouped dispatch reads each selected expert once). `decode_floor_bytes(f, config)` is the same count
 in the file's own encoding: the least any engine reading these weights must move per token.
+`matrix_backends(model, backend)` is the backend each matrix runs on (and why, where the selected
+backend does not serve it); `backend_summary` counts them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flax import nnx
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.quant import QTensor
+from sharpi_jax.quant.backend_used import backend_used, pallas_fallback_reason
 
 
 def _nbytes(tree) -> int:
@@ -77,3 +80,44 @@ def decode_read_bytes(model: nnx.Module, f: GGUFFile, c: ModelConfig) -> int:
     row = embed.nbytes // embed.shape[0]
     experts = sum(c.n_expert_used * _expert_bytes_per_expert(f, i) for i in range(c.n_layer)) if c.is_moe else 0
     return matrices + held.get("vectors", 0) + row + experts
+
+
+def _path_name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def matrix_backends(model: nnx.Module, backend: str) -> dict[str, dict]:
+    """Every matrix a step multiplies by, with the backend it runs on when `backend` (resolved) is
+    selected: {name: {"type", "shape", "backend", "why"}}. Names are param paths (a fused projection of
+    several ggml types is several matrices, suffixed [i]); routed experts are reported by the expert
+    module (`matrix_backends()`, one entry per matrix kind, one expert's shape). "why" says why a
+    matrix is not on `backend` (None when it is)."""
+    out: dict[str, dict] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value() if hasattr(var, "get_value") else var
+        if "experts" in path or not (isinstance(value, tuple) and value and isinstance(value[0], QTensor)):
+            continue  # (a bare QTensor is the embedding table: a row gather, not a product)
+        for i, q in enumerate(value):
+            name = _path_name(path) + (f"[{i}]" if len(value) > 1 else "")
+            used = backend_used(backend, q.qtype, q.shape)
+            why = pallas_fallback_reason(q.qtype, q.shape) if used != backend else None
+            out[name] = {"type": q.ggml_type.name, "shape": tuple(q.shape), "backend": used, "why": why}
+    for path, module in nnx.iter_graph(model):
+        if callable(getattr(module, "matrix_backends", None)) and isinstance(module, nnx.Module):
+            for which, info in module.matrix_backends().items():
+                out[f"{_path_name(path)}.{which}"] = dict(info)
+    return out
+
+
+def backend_summary(backends: dict[str, dict]) -> dict[str, int]:
+    """Matrices per backend, e.g. {"pallas": 61, "xla": 2}."""
+    return dict(Counter(v["backend"] for v in backends.values()))
+
+
+def fallback_message(backends: dict[str, dict], selected: str) -> str | None:
+    """One line naming every matrix not on the `selected` backend, with its type and why; None if none."""
+    off = {k: v for k, v in backends.items() if v["backend"] != selected}
+    if not off:
+        return None
+    items = ", ".join(f"{k} ({v['type']} {v['shape'][0]}x{v['shape'][1]}: {v['why']})" for k, v in off.items())
+    return f"kernels={selected!r}: {len(off)} of {len(backends)} matrices run on XLA instead: {items}"

@@ -9,7 +9,8 @@ tensor's layout, and the layout is chosen once at load by the kernel backend (`w
 | "reference" | f32 dot on the exact values      | dequantize exactly in the step, f32 dot               |
 | "xla"       | f32 dot (BF16: bf16 x bf16 -> f32)| SoA (Q8_0/Q4_K) or blocks, dequantized in the step;  |
 |             |                                  | repack="int8"/"auto": int8 rows, two-plane int8 dot   |
-| "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K); others: dequantize + dot |
+| "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K, Q5_K, Q6_K); |
+|             |                                  | others: XLA dequantize + dot (`backend_used` says which) |
 
 "auto" is "pallas" on a GPU and "xla" elsewhere. On CPU the Pallas kernel runs in interpret mode (tests).
 
@@ -29,6 +30,8 @@ import jax.numpy as jnp
 from pallas_kernels import grouped_matmul as gm
 from sharpi_jax.config import KERNELS, REPACKS
 from sharpi_jax.errors import InputError
+from sharpi_jax.quant.backend_used import backend_used
+from sharpi_jax.quant.backend_used import pallas_fits as pallas_fits  # noqa: F401 (re-exported)
 from sharpi_jax.quant.qtensor import FLOAT_TYPES, KERNEL_TYPES, SOA_TYPES, QTensor, Q
 
 BACKENDS = ("xla", "pallas", "reference")
@@ -44,12 +47,6 @@ def resolve_kernels(kernels: str, platform: str | None = None) -> str:
         return kernels
     platform = platform or jax.default_backend()
     return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
-
-
-def pallas_fits(shape: tuple[int, ...]) -> bool:
-    """Whether the Triton kernel takes a [N, K] matrix: N a multiple of a power-of-two column tile."""
-    n, k = shape[-2], shape[-1]
-    return k % 32 == 0 and _block_n(n) is not None
 
 
 def _block_n(n: int) -> int | None:
@@ -95,7 +92,7 @@ def weight_layout(backend: str, qtype: int, shape: tuple[int, ...], repack: str 
         raise InputError(f"repack must be one of {REPACKS}, got {repack!r}")
     if repack == "int8" and backend != "xla":
         raise InputError(f"repack={repack!r} is an XLA:CPU layout; it does not combine with kernels={backend!r}")
-    if backend == "pallas" and qt in KERNEL_TYPES and pallas_fits(shape):
+    if backend_used(backend, qtype, shape) == "pallas":
         return "kernel"
     if qt in FLOAT_TYPES:
         return "float_t"
@@ -141,9 +138,10 @@ def _matmul_kernel(x: jax.Array, w: QTensor, interpret: bool | None) -> jax.Arra
     xp = jnp.zeros((n_tiles * bm, x.shape[1]), jnp.float32).at[:m].set(x)
     weights = jax.tree.map(lambda a: a[None], w.data)  # one group
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    n_held = next(iter(w.data.values())).shape[-2]  # rows padded to a multiple of 16 (qtensor.KERNEL_ROWS)
     y = gm.grouped_matmul(xp, weights, jnp.zeros((n_tiles,), jnp.int32), qtype=KERNEL_TYPES[Q(w.qtype)],
-                          block_m=bm, block_n=_block_n(w.rows), interpret=interpret)
-    return y[:m]
+                          block_m=bm, block_n=_block_n(n_held), interpret=interpret)
+    return y[:m, :w.rows]
 
 
 def matmul(x: jax.Array, w: QTensor, *, interpret: bool | None = None) -> jax.Array:
