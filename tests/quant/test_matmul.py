@@ -35,10 +35,12 @@ def _raw(qt: Q, rng, rows=N, cols=K) -> np.ndarray:
         blocks = rng.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
         blocks[:, 208:210] = (rng.uniform(0.5, 1.5, (len(blocks), 1)) * 2**-12).astype(np.float16).view(np.uint8)
         return blocks.reshape(rows, -1)
+    if qt == Q.Q5_K:  # nor a Q5_K one
+        return qb.random_blocks(rng, (rows, cols), "q5_k")
     return np.asarray(gguf.quants.quantize(w, qt)).reshape(rows, -1)
 
 
-TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K]
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q6_K]
 EXACT_LAYOUTS = ("float", "float_t", "blocks", "soa", "kernel")
 
 
@@ -89,7 +91,7 @@ LAYOUT_TOLERANCE = {"float": 1e-6, "float_t": 1e-6, "blocks": 1e-6, "soa": 1e-6,
                     "int8": 1.5e-2}  # int8: weights rounded to 1/254 of their row max (activations ~exact)
 
 
-@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_matmul_layouts_match_the_reference(qt):
     rng = np.random.default_rng(5)
     raw = _raw(qt, rng)
@@ -153,13 +155,31 @@ def test_layout_policy():
     assert weight_layout("pallas", int(Q.Q4_K), (248320, 2048), "auto") == "kernel"
     assert weight_layout("reference", int(Q.Q4_K), (N, K)) == "blocks"
     assert weight_layout("pallas", int(Q.Q4_K), (N, K)) == "kernel"
-    assert weight_layout("pallas", int(Q.Q6_K), (N, K)) == "blocks"  # no in-kernel Q6_K: dequantize + dot
-    assert weight_layout("pallas", int(Q.Q8_0), (17, K)) == "blocks"  # 17 outputs: no power-of-two tile
+    assert weight_layout("pallas", int(Q.Q6_K), (N, K)) == "kernel"  # in-kernel Q5_K / Q6_K
+    assert weight_layout("pallas", int(Q.Q5_K), (N, K)) == "kernel"
+    assert weight_layout("pallas", int(Q.Q5_0), (N, K)) == "blocks"  # no in-kernel Q5_0: dequantize + dot
+    assert weight_layout("pallas", int(Q.Q8_0), (17, K)) == "kernel"  # 17 outputs: rows padded to 32
     assert resolve_kernels("auto", "cpu") == "xla" and resolve_kernels("auto", "gpu") == "pallas"
     for bad in (lambda: resolve_kernels("cuda"), lambda: MatrixFormat("xla", "int4"),
                 lambda: MatrixFormat("pallas", "int8")):
         with pytest.raises(InputError):
             bad()
+
+
+@pytest.mark.parametrize("qt", [Q.F32, Q.Q6_K], ids=lambda t: t.name)
+def test_kernel_layout_pads_rows_to_a_tile(qt):
+    """A matrix of 17 outputs (a router of n_expert + 1 rows) is held with rows zero-padded to 32, and
+    its product and dequantization are those of the 17 rows."""
+    rng = np.random.default_rng(9)
+    raw = _raw(qt, rng, rows=17)
+    w = pack(jnp.asarray(raw), int(qt), (17, K), "kernel")
+    assert w.shape == (17, K) and all(a.shape[0] == 32 for a in w.data.values())
+    want = np.asarray(gguf.quants.dequantize(raw, qt), np.float32).reshape(17, K)
+    assert_bitwise_equal(w.dequantize(), want)
+    x = jnp.asarray(rng.standard_normal((3, K), dtype=np.float32))
+    y = np.asarray(matmul(x, w))
+    assert y.shape == (3, 17)
+    np.testing.assert_allclose(y, np.asarray(x) @ want.T, rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_shape_mismatch_is_a_clear_error():
