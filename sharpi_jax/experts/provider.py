@@ -57,10 +57,10 @@ class RoutedExperts(nnx.Module):
         """One expert's [N, K] for matrix `which`."""
         return matrix_shape(1, self.d_model, self.d_ff, which)[1:]
 
-    def matrix_backends(self) -> dict[str, dict]:
-        """Per matrix ("gate" / "up" / "down"): ggml type, one expert's [N, K], the backend it runs on
-        ("pallas" or "xla") and, for a fallback under kernels="pallas", why."""
-        backend = "pallas" if self.mode == PALLAS_EXPERT_MODE else "xla"
+    def matrix_backends(self, selected: str) -> dict[str, dict]:
+        """Per matrix ("gate" / "up" / "down") under the `selected` kernel backend: ggml type, one
+        expert's [N, K], the backend it runs on and, for a fallback from "pallas", why."""
+        backend = "pallas" if self.mode == PALLAS_EXPERT_MODE else ("xla" if selected == "pallas" else selected)
         return {w: {"type": Q(q).name, "shape": self._shape(w), "backend": backend, "why": dict(self.fallback).get(w)}
                 for w, q in zip(EXPERT_MATRICES, self.qtypes)}
 

@@ -90,7 +90,7 @@ def matrix_backends(model: nnx.Module, backend: str) -> dict[str, dict]:
     """Every matrix a step multiplies by, with the backend it runs on when `backend` (resolved) is
     selected: {name: {"type", "shape", "backend", "why"}}. Names are param paths (a fused projection of
     several ggml types is several matrices, suffixed [i]); routed experts are reported by the expert
-    module (`matrix_backends()`, one entry per matrix kind, one expert's shape). "why" says why a
+    module (`matrix_backends(backend)`, one entry per matrix kind, one expert's shape). "why" says why a
     matrix is not on `backend` (None when it is)."""
     out: dict[str, dict] = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
@@ -104,7 +104,7 @@ def matrix_backends(model: nnx.Module, backend: str) -> dict[str, dict]:
             out[name] = {"type": q.ggml_type.name, "shape": tuple(q.shape), "backend": used, "why": why}
     for path, module in nnx.iter_graph(model):
         if callable(getattr(module, "matrix_backends", None)) and isinstance(module, nnx.Module):
-            for which, info in module.matrix_backends().items():
+            for which, info in module.matrix_backends(backend).items():
                 out[f"{_path_name(path)}.{which}"] = dict(info)
     return out
 

@@ -111,3 +111,12 @@ def test_generate_stats_record_the_backends():
     assert out.stats["backends"] == {"xla": len(e.matrix_backends)}
     assert out.stats["matrix_backends"]["lm_head.w"] == "xla"
     assert set(out.stats["matrix_backends"]) == set(e.matrix_backends)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "reference"])
+def test_other_backends_serve_every_matrix_without_a_warning(kernels):
+    path = fixture_path("tiny-qwen35moe", "tiny-qwen35moe-Q4_K_M.gguf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        e = sj.load(path, max_context=64, prefill_buckets=(16,), kernels=kernels)
+    assert backend_summary(e.matrix_backends) == {kernels: len(e.matrix_backends)}
