@@ -342,11 +342,11 @@ class PackedExpertWeights:
 
 
 def pack_expert_weights(experts: ExpertWeights) -> PackedExpertWeights:
-    """ExpertWeights (f32, f16, Q8_0, Q4_K; either layout) -> the kernel layout (Q4_K scales unpacked)."""
+    """ExpertWeights (`pallas_kernels.KERNEL_TYPES`; either layout) -> the kernel layout (`quant_blocks.pack`)."""
     f, d = experts.d_ff, experts.d_model
     for q in (experts.gate_qtype, experts.up_qtype, experts.down_qtype):
         if q not in gm.WEIGHT_FIELDS:
-            raise UnsupportedQuantError(f"the grouped-matmul kernel reads f32/f16/q8_0/q4_k experts, not {q}")
+            raise UnsupportedQuantError(f"the grouped-matmul kernel reads {'/'.join(gm.WEIGHT_FIELDS)} experts, not {q}")
 
     def pack(m, qtype, n_cols):
         if isinstance(m, dict):  # SoA layout
