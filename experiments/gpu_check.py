@@ -6,9 +6,9 @@ On a machine without a GPU it prints one line saying so and exits 0. On a GPU:
 
 1. the model: --gguf, else the 35B-A3B-shaped 4-layer Q4_K_M slice in $SHARPI_CACHE (written once:
    write_synthetic Q8_0 + `llama-quantize Q4_K_M` when --llama_bin names a llama.cpp bin directory, else
-   write_synthetic Q4_K with llama-quantize's Q4_K_M type rule for 4 + 1 blocks: Q6_K LM head, Q6_K
-   ffn_down_exps / ffn_down_shexp in blocks 2 and 4, Q6_K attn_v in block 4; see WORKSPACE, "Type mix
-   of K-quant files");
+   write_synthetic Q4_K with the types llama-quantize's Q4_K_M gives the 4 + 1 blocks: Q6_K LM head,
+   ffn_down_exps / ffn_down_shexp of blocks 2 and 4, blk.2.attn_qkv and blk.4.attn_v; see WORKSPACE,
+   "No silent fallback, and the type mix of K-quant files");
 2. the backend each matrix runs on under kernels="pallas" (any fallback is named);
 3. prefill and decode tok/s for kernels="pallas" and kernels="xla": loaded, warmed up, then --repeats
    interleaved rounds (experiments.timing), median [min-max];
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
+from experiments.presets import Q4_K_M_MIX_4L
 from experiments.timing import fmt_spread, interleaved, line_buffered
 
 FLAGS = flags.FLAGS
@@ -46,11 +47,6 @@ flags.DEFINE_string("expert_budget", "25%", "Expert budget of the residency run.
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 N_LAYER = 4
-# llama-quantize's Q4_K_M rule on 4 trunk blocks + the MTP block (use_more_bits at blocks 2 and 4).
-Q4_K_M_MIX_4L = (("output.weight", "Q6_K"), ("blk.2.ffn_down", "Q6_K"), ("blk.4.ffn_down", "Q6_K"),
-                 ("blk.4.attn_v", "Q6_K"))
-
-
 def gpu_platform() -> str | None:
     """The JAX GPU platform name, or None when JAX runs without a GPU."""
     import jax

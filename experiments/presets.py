@@ -20,6 +20,14 @@ MODELS_FILE = REPO_ROOT / "configs" / "models.json"
 FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
 
 
+# What llama-quantize's Q4_K_M makes of the 35B-A3B-shaped 4-layer slice (measured; WORKSPACE, "No silent
+# fallback, and the type mix of K-quant files"): these 7 tensors Q6_K, every other matrix Q4_K. As
+# `write_synthetic_gguf(..., "Q4_K", type_overrides=Q4_K_M_MIX_4L)` it writes the same types.
+Q4_K_M_MIX_4L = tuple((name, "Q6_K") for name in (
+    "output.weight", "blk.2.attn_qkv", "blk.2.ffn_down_exps", "blk.2.ffn_down_shexp", "blk.4.attn_v",
+    "blk.4.ffn_down_exps", "blk.4.ffn_down_shexp"))
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax"))
 

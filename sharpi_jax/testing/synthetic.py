@@ -66,13 +66,13 @@ def random_blocks(rng: np.random.Generator, qtype: Q, shape: Sequence[int], scal
 
 
 def _override(spec: TensorSpec, t: Q, overrides: Sequence[tuple[str, str | int | Q]]) -> Q:
-    """`t`, or the first override whose substring is in the tensor's name (quantized tensors only, and
+    """`t`, or the first override whose name part is in the tensor's name (quantized tensors only, and
     only where the rows fit the new type's block)."""
     if t in FLOAT_TYPES:
         return t
     for pattern, new in overrides:
         new = as_qtype(new)
-        if pattern in spec.name and spec.shape[-1] % GGML_QUANT_SIZES[new][0] == 0:
+        if f".{pattern}." in f".{spec.name}." and spec.shape[-1] % GGML_QUANT_SIZES[new][0] == 0:
             if new not in SYNTHETIC_TYPES:
                 raise InputError(f"synthetic writer cannot generate ggml type {new.name}")
             return new
@@ -129,8 +129,9 @@ def write_synthetic_gguf(
 
     qtype: block type of the 2-D+ weight matrices (rows that don't fit its block fall back to Q8_0,
     F16 or F32, as llama-quantize does); expert_qtype: type of routed experts (default: qtype).
-    type_overrides: (name substring, type) pairs, first match wins, for quantized tensors whose rows
-    fit that type's block (a llama-quantize mix such as Q4_K_M: Q6_K heads, Q5_K / Q8_0 elsewhere).
+    type_overrides: (name part, type) pairs, first match wins, for quantized tensors whose rows fit that
+    type's block (a llama-quantize mix such as Q4_K_M); a name part is whole dot-separated fields of
+    the tensor name ("attn_v", "blk.2.ffn_down_exps", "output.weight" but not "blk.3.attn_output.weight").
     Norms, router, conv, ssm_a and dt bias are F32 as in converter output. Returns the path.
     """
     qtype, expert_qtype = as_qtype(qtype), as_qtype(expert_qtype if expert_qtype is not None else qtype)

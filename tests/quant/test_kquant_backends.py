@@ -120,3 +120,21 @@ def test_other_backends_serve_every_matrix_without_a_warning(kernels):
         warnings.simplefilter("error")
         e = sj.load(path, max_context=64, prefill_buckets=(16,), kernels=kernels)
     assert backend_summary(e.matrix_backends) == {kernels: len(e.matrix_backends)}
+
+
+def test_type_overrides_match_whole_name_fields():
+    """gpu_check's Q4_K_M mix names 7 tensors of the 4-layer slice (the measured llama-quantize Q4_K_M
+    choice): "output.weight" must not catch blk.N.attn_output.weight, "blk.2.ffn_down_exps" only that."""
+    from gguf import GGMLQuantizationType as T
+
+    from sharpi_jax.config import shape_preset
+    from sharpi_jax.gguf.writer import model_tensor_plan
+    from sharpi_jax.testing.synthetic import _override
+
+    from experiments.presets import Q4_K_M_MIX_4L as mix
+
+    plan = [(s.name, _override(s, t, mix)) for s, t in model_tensor_plan(shape_preset("qwen36-35b-a3b", 4), T.Q4_K)]
+    assert sorted(n for n, t in plan if t == T.Q6_K) == sorted(
+        ["output.weight", "blk.2.attn_qkv.weight", "blk.2.ffn_down_exps.weight", "blk.2.ffn_down_shexp.weight",
+         "blk.4.attn_v.weight", "blk.4.ffn_down_exps.weight", "blk.4.ffn_down_shexp.weight"])
+    assert {t for n, t in plan if t != T.Q6_K} == {T.Q4_K, T.F32}
