@@ -47,6 +47,8 @@ flags.DEFINE_string("expert_budget", "25%", "Expert budget of the residency run.
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 N_LAYER = 4
+
+
 def gpu_platform() -> str | None:
     """The JAX GPU platform name, or None when JAX runs without a GPU."""
     import jax
@@ -146,7 +148,8 @@ def run_check(path: Path) -> None:
 
     rec = {r["rows"]: r for r in pass_timing(e, ids, [1, 4], FLAGS.repeats)}
     say(f"MTP k=3: one 4-row verify pass {rec[4]['chain_ms']:.2f} ms [{rec[4]['chain_ms_min']:.2f}-"
-        f"{rec[4]['chain_ms_max']:.2f}], decode step {rec[1]['decode_ms']:.2f} ms (ratio {rec[4]['chain_ms'] / rec[1]['decode_ms']:.2f})")
+        f"{rec[4]['chain_ms_max']:.2f}], decode step {rec[1]['decode_ms']:.2f} ms "
+        f"(ratio {rec[4]['chain_ms'] / rec[1]['decode_ms']:.2f})")
     e.generate(ids, max_new_tokens=4, speculative="mtp", draft_tokens=3)  # compiles the MTP shapes
     mtp = [e.generate(ids, max_new_tokens=FLAGS.decode_tokens, speculative="mtp", draft_tokens=3, stop_on_eos=False)
            for _ in range(FLAGS.repeats)]
@@ -176,7 +179,8 @@ def main(argv) -> int:
     if platform is None:
         import jax
 
-        print(f"gpu_check: no GPU here (JAX backend {jax.default_backend()!r}); nothing to time, run it on a GPU machine")
+        print(f"gpu_check: no GPU here (JAX backend {jax.default_backend()!r}); nothing to time, "
+              "run it on a GPU machine")
         return 0
     path = Path(FLAGS.gguf) if FLAGS.gguf else default_slice(FLAGS.llama_bin)
     run_check(path)

@@ -50,7 +50,8 @@ Q4_K_SCALE_SIZE = 12
 # list of what the Pallas backend serves.
 KERNEL_TYPES = ("f32", "f16", "q8_0", "q4_k", "q5_k", "q6_k")
 # qtype name -> (block_size, type_size), from gguf's table. "f32"/"f16" are one-element "blocks".
-BLOCK_SIZES: dict[str, tuple[int, int]] = {q: tuple(GGML_QUANT_SIZES[GGMLQuantizationType[q.upper()]]) for q in KERNEL_TYPES}
+BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    q: tuple(GGML_QUANT_SIZES[GGMLQuantizationType[q.upper()]]) for q in KERNEL_TYPES}
 QUANTIZED = ("q8_0", "q4_k")  # the types with a SoA layout
 # Kernel-layout fields per type (the pallas_call argument order).
 KERNEL_FIELDS = {

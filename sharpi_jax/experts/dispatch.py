@@ -346,7 +346,8 @@ def pack_expert_weights(experts: ExpertWeights) -> PackedExpertWeights:
     f, d = experts.d_ff, experts.d_model
     for q in (experts.gate_qtype, experts.up_qtype, experts.down_qtype):
         if q not in gm.WEIGHT_FIELDS:
-            raise UnsupportedQuantError(f"the grouped-matmul kernel reads {'/'.join(gm.WEIGHT_FIELDS)} experts, not {q}")
+            raise UnsupportedQuantError(
+                f"the grouped-matmul kernel reads {'/'.join(gm.WEIGHT_FIELDS)} experts, not {q}")
 
     def pack(m, qtype, n_cols):
         if isinstance(m, dict):  # SoA layout
