@@ -82,6 +82,7 @@ COMMANDS = {
         "--max_context=64", "--speculative=mtp", "--draft_tokens=2", "--json",
         "--prompt=def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"]),
     "test_generate_snapkv_bad_budget": ("generate", lambda t: ["--kv_policy=snapkv", "--kv_budget=4", "--kv_window=8"]),
+    "test_gpu_check_without_a_gpu_says_so_in_one_line": ("gpu_check", lambda t: []),
     "test_info": ("info", lambda t: ["--json"]),
     "test_info_text": ("info", lambda t: []),
     "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
@@ -197,6 +198,14 @@ def test_write_synthetic(runs, request):
     with GGUFFile(out) as f:
         c = read_model_config(f)
         assert c.n_layer == 2 and c.arch == "qwen35moe" and len(f.tensors) > 10
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
+    """Here (no GPU): one line saying so, exit 0, and nothing written (no slice without a GPU)."""
+    tmp, res = result(runs, request)
+    lines = [ln for ln in ok(res).stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: no GPU here (JAX backend 'cpu')")
+    assert not (tmp / "cache").exists()
 
 
 def test_bench_decode(runs, request):
