@@ -155,3 +155,22 @@ def test_type_overrides_match_whole_name_fields():
         ["output.weight", "blk.2.attn_qkv.weight", "blk.2.ffn_down_exps.weight", "blk.2.ffn_down_shexp.weight",
          "blk.4.attn_v.weight", "blk.4.ffn_down_exps.weight", "blk.4.ffn_down_shexp.weight"])
     assert {t for n, t in plan if t != T.Q6_K} == {T.Q4_K, T.F32}
+
+
+@pytest.mark.skipif(not ggml.available(), reason="ggml's native extension is not built")
+def test_ggml_fallback_is_named_once_and_recorded(monkeypatch):
+    """The warning is not Pallas's alone: kernels='ggml' on a build without Q5_0 (SERVED_TYPES narrowed
+    here) holds the Q5_0 matrices on "xla" and says so once, naming them."""
+    from gguf import GGMLQuantizationType as T
+
+    monkeypatch.setattr(ggml, "SERVED_TYPES", ggml.SERVED_TYPES - {T.Q5_0})
+    path = fixture_path("tiny-qwen35moe", "tiny-qwen35moe-Q4_K_M.gguf")
+    with pytest.warns(UserWarning) as record:
+        e = sj.load(path, max_context=64, prefill_buckets=(16,), kernels="ggml")
+    msgs = [str(w.message) for w in record if "matrices fall back" in str(w.message)]
+    assert len(msgs) == 1 and msgs[0].count("ggml has no CPU kernel for ggml type Q5_0") >= 1
+    assert "layers.0.mixer.w_in.w (Q5_0 392x128 on xla: ggml has no CPU kernel for ggml type Q5_0)" in msgs[0]
+    off = {k: v for k, v in e.matrix_backends.items() if v["backend"] != "ggml"}
+    assert off and all(v["backend"] == "xla" for v in off.values())
+    assert all(v["type"] == "Q5_0" or "fall back (one grouped op)" in v["why"] for v in off.values())
+    assert backend_summary(e.matrix_backends)["ggml"] == len(e.matrix_backends) - len(off)
