@@ -81,15 +81,17 @@ def _prompt(engine, n: int, fixture_dir: Path | None) -> list[int]:
 
 def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str | None = "auto"
               ) -> tuple[object, list[int], dict]:
-    """(engine, prompt ids, {load_s, warmup_s, held_gib, read_mib_per_token, floor_mib_per_token}):
+    """(engine, prompt ids, {load_s, warmup_s, held_gib, backends (matrices per backend),
+    read_mib_per_token, floor_mib_per_token}):
     loaded and warmed up (prefill buckets and decode compiled)."""
     import sharpi_jax as sj
-    from sharpi_jax.model.footprint import decode_floor_bytes, decode_read_bytes, held_bytes
+    from sharpi_jax.model.footprint import backend_summary, decode_floor_bytes, decode_read_bytes, held_bytes
 
     t = time.perf_counter()
     engine = sj.load(path, max_context=FLAGS.max_context, kernels=FLAGS.kernels, repack=repack)
     load_s = time.perf_counter() - t
     footprint = {"held_gib": sum(held_bytes(engine.model).values()) / 2**30,
+                 "backends": backend_summary(engine.matrix_backends),
                  "read_mib_per_token": decode_read_bytes(engine.model, engine.gguf, engine.config) / 2**20,
                  "floor_mib_per_token": decode_floor_bytes(engine.gguf, engine.config) / 2**20}
     ids = _prompt(engine, n_prompt, fixture_dir)

@@ -23,6 +23,14 @@ HELD_OUT_SOURCES = ("sharpi_jax/api.py", "sharpi_jax/experts/residency/plan.py",
                     "sharpi_jax/gguf/reader.py", "sharpi_jax/model/gated_delta_net.py", "sharpi_jax/quant/qtensor.py")
 
 
+# What llama-quantize's Q4_K_M makes of the 35B-A3B-shaped 4-layer slice (measured; WORKSPACE, "No silent
+# fallback, and the type mix of K-quant files"): these 7 tensors Q6_K, every other matrix Q4_K. As
+# `write_synthetic_gguf(..., "Q4_K", type_overrides=Q4_K_M_MIX_4L)` it writes the same types.
+Q4_K_M_MIX_4L = tuple((name, "Q6_K") for name in (
+    "output.weight", "blk.2.attn_qkv", "blk.2.ffn_down_exps", "blk.2.ffn_down_shexp", "blk.4.attn_v",
+    "blk.4.ffn_down_exps", "blk.4.ffn_down_shexp"))
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax"))
 

@@ -1,5 +1,5 @@
-"""Kernel-side layouts of ggml Q8_0 / Q4_K blocks and their in-tile dequantization, bitwise equal to
-`gguf.quants`. The GGUF-layout dequantizer of every block type is `sharpi_jax.gguf.quants` (the one
+"""Kernel-side layouts of ggml Q8_0 / Q4_K / Q5_K / Q6_K blocks and their in-tile dequantization,
+bitwise equal to `gguf.quants`. The GGUF-layout dequantizer of every block type is `sharpi_jax.gguf.quants` (the one
 implementation the tests compare everything against); this module only re-lays the same bytes out for
 XLA:CPU and the Pallas kernels (it imports no sharpi_jax code).
 
@@ -15,12 +15,22 @@ Three layouts of the same bits:
   Q4_K: `d f16[..., K/256]`, `dmin f16[..., K/256]`, `scales uint8[..., K/256, 12]` (packed 6-bit),
         `qs uint8[..., K/2]` (ggml nibble order)                                    (144 B / 256 w)
 
-- Kernel layout (Pallas/Triton): as SoA, but Triton only loads power-of-two tiles, so the 12 packed
-  Q4_K scale bytes are unpacked to `sc uint8[..., K/32]` and `mn uint8[..., K/32]` (148 B / 256 w).
+- Kernel layout (Pallas/Triton, `pack`): one array per field, every field a whole number of bytes per
+  weight row, since Triton only loads power-of-two tiles. Bytes per 256 weights (GGUF in brackets):
+
+  f32 / f16: `w float32[..., K]`                                                   (1024 B)
+  Q8_0: as SoA, `qs int8[..., K]`, `d f16[..., K/32]`                                (272 B [272])
+  Q4_K: as SoA with the 12 packed scale bytes unpacked to `sc`, `mn uint8[..., K/32]`:
+        `qs uint8[..., K/2]`, `d`, `dmin f16[..., K/256]`, `sc`, `mn`              (148 B [144])
+  Q5_K: Q4_K's fields plus `qh uint8[..., K/8]` (bit j of byte l: 5th bit of weight l of sub-block j)
+                                                                                   (180 B [176])
+  Q6_K: `ql uint8[..., K/2]`, `qh uint8[..., K/4]`, `sc int8[..., K/16]`, `d f16[..., K/256]`
+        (the GGUF block's own fields, split)                                       (210 B [210])
 
 Every dequantization keeps gguf's operation order (`x * d` for Q8_0; `(d * sc) * q - dmin * mn` for
-Q4_K). All products are exact in float32 (an f16 scale times small integers), so XLA's FMA contraction
-cannot change a bit, and the kernel tiles reproduce `gguf.quants.dequantize` exactly.
+Q4_K / Q5_K; `(d * sc) * (q - 32)` for Q6_K). All products are exact in float32 (an f16 scale times
+small integers: at most 11 + 8 + 6 = 25 significant bits for Q6_K, whose |q - 32| <= 32 makes it 24),
+so XLA's FMA contraction cannot change a bit, and the kernel tiles reproduce `gguf.quants` exactly.
 """
 
 from __future__ import annotations
@@ -36,10 +46,22 @@ QK_K = 256
 Q4_K_TYPE_SIZE = 144
 Q4_K_SCALE_SIZE = 12
 
+# The ggml types the kernels read (their kernel layouts are `pack`'s), by lower-case type name: the one
+# list of what the Pallas backend serves.
+KERNEL_TYPES = ("f32", "f16", "q8_0", "q4_k", "q5_k", "q6_k")
 # qtype name -> (block_size, type_size), from gguf's table. "f32"/"f16" are one-element "blocks".
 BLOCK_SIZES: dict[str, tuple[int, int]] = {
-    q: tuple(GGML_QUANT_SIZES[GGMLQuantizationType[q.upper()]]) for q in ("f32", "f16", "q8_0", "q4_k")}
-QUANTIZED = ("q8_0", "q4_k")
+    q: tuple(GGML_QUANT_SIZES[GGMLQuantizationType[q.upper()]]) for q in KERNEL_TYPES}
+QUANTIZED = ("q8_0", "q4_k")  # the types with a SoA layout
+# Kernel-layout fields per type (the pallas_call argument order).
+KERNEL_FIELDS = {
+    "f32": ("w",),
+    "f16": ("w",),
+    "q8_0": ("qs", "d"),
+    "q4_k": ("qs", "d", "dmin", "sc", "mn"),
+    "q5_k": ("qs", "qh", "d", "dmin", "sc", "mn"),
+    "q6_k": ("ql", "qh", "sc", "d"),
+}
 
 
 def row_bytes(qtype: str, n_cols: int) -> int:
@@ -160,7 +182,30 @@ def pack(raw: jax.Array, qtype: str, n_cols: int) -> dict[str, jax.Array]:
     """Packs GGUF rows of `qtype` for the kernels; float weights become {"w": float32 rows}."""
     if qtype in ("f32", "f16"):
         return {"w": raw.astype(jnp.float32)}
-    return soa_to_kernel(to_soa(raw, qtype, n_cols), qtype)
+    if qtype in QUANTIZED:
+        return soa_to_kernel(to_soa(raw, qtype, n_cols), qtype)
+    if qtype not in KERNEL_FIELDS:
+        raise ValueError(f"no kernel layout for {qtype!r}")
+    lead = raw.shape[:-1]
+    nb = n_cols // QK_K
+    blocks = raw.reshape(lead + (nb, BLOCK_SIZES[qtype][1]))
+    field = lambda a, b: blocks[..., a:b].reshape(lead + (nb * (b - a),))  # noqa: E731
+    f16 = lambda a: jax.lax.bitcast_convert_type(blocks[..., a:a + 2], jnp.float16)  # noqa: E731
+    if qtype == "q5_k":
+        sc, mn = q4_k_scale_min(blocks[..., 4:16])
+        return {"qs": field(48, 176), "qh": field(16, 48), "d": f16(0), "dmin": f16(2),
+                "sc": sc.reshape(lead + (nb * 8,)), "mn": mn.reshape(lead + (nb * 8,))}
+    return {"ql": field(0, 128), "qh": field(128, 192), "d": f16(208),  # q6_k
+            "sc": jax.lax.bitcast_convert_type(field(192, 208), jnp.int8)}
+
+
+def kernel_k(packed: dict[str, jax.Array], qtype: str) -> int:
+    """K (weights per row) of kernel-layout weights."""
+    if qtype in ("f32", "f16"):
+        return packed["w"].shape[-1]
+    if qtype == "q8_0":
+        return packed["qs"].shape[-1]
+    return packed["d"].shape[-1] * QK_K
 
 
 def dequant_tile_q8_0(qs: jax.Array, d: jax.Array) -> jax.Array:
@@ -180,6 +225,50 @@ def dequant_tile_q4_k(
     scale = d.astype(jnp.float32) * sc.astype(jnp.float32)
     dm = dmin.astype(jnp.float32) * mn.astype(jnp.float32)
     return scale * q - dm
+
+
+def dequant_tile_q5_k(
+    q_bytes: jax.Array, shift: jax.Array, qh_bytes: jax.Array, bit: jax.Array,
+    d: jax.Array, dmin: jax.Array, sc: jax.Array, mn: jax.Array,
+) -> jax.Array:
+    """One 32-column Q5_K sub-block tile -> float32[R, 32]. Kernel-safe.
+
+    As Q4_K, plus qh_bytes uint8[R, 32], the super-block's 32 high-bit bytes, whose bit `bit` (the
+    sub-block index 0..7) is each weight's 5th bit.
+    """
+    lo = (q_bytes.astype(jnp.int32) >> shift) & 0x0F
+    hi = (qh_bytes.astype(jnp.int32) >> bit) & 0x01
+    q = (lo | (hi << 4)).astype(jnp.float32)
+    scale = d.astype(jnp.float32) * sc.astype(jnp.float32)
+    dm = dmin.astype(jnp.float32) * mn.astype(jnp.float32)
+    return scale * q - dm
+
+
+def dequant_tile_q6_k(
+    ql_bytes: jax.Array, shift_l: jax.Array, qh_bytes: jax.Array, shift_h: jax.Array,
+    d: jax.Array, sc_lo: jax.Array, sc_hi: jax.Array,
+) -> jax.Array:
+    """One 32-column Q6_K tile -> float32[R, 32]. Kernel-safe.
+
+    ql_bytes uint8[R, 32] hold the low 4 bits (>> shift_l, 0 or 4), qh_bytes uint8[R, 32] the high 2
+    bits (>> shift_h, 0/2/4/6); d f16[R, 1]; sc_lo, sc_hi int8[R, 1] scale the tile's first and second
+    16 columns (Q6_K has one scale per 16 weights).
+    """
+    lo = (ql_bytes.astype(jnp.int32) >> shift_l) & 0x0F
+    hi = (qh_bytes.astype(jnp.int32) >> shift_h) & 0x03
+    q = ((lo | (hi << 4)) - 32).astype(jnp.float32)
+    df = d.astype(jnp.float32)
+    first = jax.lax.broadcasted_iota(jnp.int32, (1,) * (q.ndim - 1) + (32,), q.ndim - 1) < 16
+    scale = jnp.where(first, df * sc_lo.astype(jnp.float32), df * sc_hi.astype(jnp.float32))
+    return scale * q
+
+
+def q6_k_tile_index(sub):
+    """Where 32-column sub-block `sub` (0..7 within its super-block) of Q6_K lives, as
+    (ql byte offset, ql shift, qh byte offset, qh shift) inside the super-block. Bit arithmetic only
+    (kernel-safe): gguf's order is ql [2 halves][2 shifts][64 bytes], qh [2 halves][4 shifts][32 bytes]."""
+    h, s, part = sub >> 2, (sub >> 1) & 1, sub & 1
+    return h * 64 + part * 32, s * 4, h * 32, (sub & 3) * 2
 
 
 def dequantize_packed(packed: dict[str, jax.Array], qtype: str) -> jax.Array:
@@ -202,6 +291,25 @@ def dequantize_packed(packed: dict[str, jax.Array], qtype: str) -> jax.Array:
         mn = packed["mn"].reshape(lead + (nb, 8, 1))
         w = dequant_tile_q4_k(q, shift, rep(packed["d"]), rep(packed["dmin"]), sc, mn)
         return w.reshape(lead + (nb * QK_K,))
+    if qtype in ("q5_k", "q6_k"):
+        nb = packed["d"].shape[-1]
+        lead = packed["d"].shape[:-1]
+        rep = lambda a: jnp.repeat(a, 8, axis=-1).reshape(lead + (nb, 8, 1))  # noqa: E731
+        sub = np.arange(8).reshape(8, 1)
+        if qtype == "q5_k":
+            q = jnp.repeat(packed["qs"].reshape(lead + (nb, 4, 1, 32)), 2, axis=-2).reshape(lead + (nb, 8, 32))
+            qh = jnp.broadcast_to(packed["qh"].reshape(lead + (nb, 1, 32)), lead + (nb, 8, 32))
+            w = dequant_tile_q5_k(q, jnp.asarray((sub & 1) * 4), qh, jnp.asarray(sub), rep(packed["d"]),
+                                  rep(packed["dmin"]), packed["sc"].reshape(lead + (nb, 8, 1)),
+                                  packed["mn"].reshape(lead + (nb, 8, 1)))
+        else:
+            ql_off, shift_l, qh_off, shift_h = q6_k_tile_index(sub)
+            ql = packed["ql"].reshape(lead + (nb, 128))[..., ql_off + np.arange(32)]  # [..., nb, 8, 32]
+            qh = packed["qh"].reshape(lead + (nb, 64))[..., qh_off + np.arange(32)]
+            sc = packed["sc"].reshape(lead + (nb, 8, 2))
+            w = dequant_tile_q6_k(ql, jnp.asarray(shift_l), qh, jnp.asarray(shift_h), rep(packed["d"]),
+                                  sc[..., 0:1], sc[..., 1:2])
+        return w.reshape(lead + (nb * QK_K,))
     raise ValueError(f"unsupported qtype {qtype!r}")
 
 
@@ -214,10 +322,13 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: str) 
     block, size = BLOCK_SIZES[qtype]
     nb = int(np.prod(lead, dtype=np.int64)) * (n_cols // block)
     raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
-    # Weights of magnitude ~0.05: Q8_0 d * 127, Q4_K (d * 63) * 15 - dmin * 63.
-    d_scale, dmin_scale = (2.0**-11, 0.0) if qtype == "q8_0" else (2.0**-14, 2.0**-11)
-    raw[:, 0:2] = (rng.uniform(0.5, 1.5, size=(nb, 1)) * d_scale).astype(np.float16).view(np.uint8)
-    if qtype == "q4_k":
+    # Weights of magnitude ~0.05: Q8_0 d * 127, Q4_K (d * 63) * 15 - dmin * 63, Q5_K (d * 63) * 31 -
+    # dmin * 63, Q6_K (d * 127) * 32.
+    d_scale, dmin_scale = {"q8_0": (2.0**-11, 0.0), "q4_k": (2.0**-14, 2.0**-11),
+                           "q5_k": (2.0**-15, 2.0**-11), "q6_k": (2.0**-16, 0.0)}[qtype]
+    d_at = 208 if qtype == "q6_k" else 0
+    raw[:, d_at:d_at + 2] = (rng.uniform(0.5, 1.5, size=(nb, 1)) * d_scale).astype(np.float16).view(np.uint8)
+    if qtype in ("q4_k", "q5_k"):
         raw[:, 2:4] = (rng.uniform(0.5, 1.5, size=(nb, 1)) * dmin_scale).astype(np.float16).view(np.uint8)
     return raw.reshape(tuple(lead) + (n_cols // block * size,))
 

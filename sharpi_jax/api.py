@@ -25,6 +25,7 @@ from sharpi_jax.experts.provider import GGUFExperts
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
 from sharpi_jax.model import snapkv
+from sharpi_jax.model.footprint import backend_summary, fallback_message, matrix_backends
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
@@ -75,6 +76,13 @@ def _say_if_ggml_missing(asked: str, resolved: str) -> None:
                       f"{ggml.unavailable_reason()}", stacklevel=3)
 
 
+def _warn_fallbacks(backends: dict[str, dict], selected: str, path: str) -> None:
+    """One `warnings.warn` naming every matrix that is not on the selected backend, with type and why."""
+    msg = fallback_message(backends, selected)
+    if msg is not None:
+        warnings.warn(f"{path}: {msg}", stacklevel=3)
+
+
 class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""
 
@@ -119,6 +127,9 @@ class Engine:
         else:
             self.experts = GGUFExperts(self.gguf, self.config, run, self.residency) if self.config.is_moe else None
         self.model = load_model(self.gguf, self.config, self.experts, progress=progress, run=run)
+        # The backend each matrix runs on; one warning names every matrix off the selected backend.
+        self.matrix_backends: dict[str, dict] = matrix_backends(self.model, self.matrix_format.backend)
+        _warn_fallbacks(self.matrix_backends, self.matrix_format.backend, self.path)
         if self.mesh is not None:
             self.model = expert_parallelism.replicate_dense(self.model, self.mesh)
         self.runtime = Runtime(self.model, int(max_context), run)
@@ -206,6 +217,9 @@ class Engine:
             if not self.config.has_mtp:
                 raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
             head = load_mtp(self.gguf, self.config, self.model, self.experts, run=self.run_config)
+            mtp_backends = {f"mtp.{k}": v for k, v in matrix_backends(head, self.matrix_format.backend).items()}
+            _warn_fallbacks(mtp_backends, self.matrix_format.backend, self.path)
+            self.matrix_backends.update(mtp_backends)
             if self.mesh is not None:
                 head = expert_parallelism.replicate_dense(head, self.mesh)
             self._mtp = MTPRuntime(head, self.max_context)
@@ -257,6 +271,9 @@ class Engine:
         those of speculative=None (greedy or seeded sampling alike); out.stats adds drafted, accepted,
         acceptance_rate, mean_accept_len, accept_per_position, verify_passes, draft_s, verify_s.
         With an expert budget, out.stats["experts"] is this run's residency cost (`expert_stats`).
+        Always: out.stats["backends"] (matrices per backend they actually run on, e.g. {"pallas": 61})
+        and out.stats["matrix_backends"] ({matrix: backend}; `Engine.matrix_backends` adds type, shape
+        and why a matrix is not on the selected backend).
 
         speculative="mtp_tree": a draft TREE of up to `tree_nodes` nodes (default max(8, draft_tokens))
         and depth `draft_tokens` per trunk pass, always holding the greedy chain, verified in one pass
@@ -305,6 +322,8 @@ class Engine:
             tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids, kv)
         if self.residency is not None:
             stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))
+        stats["backends"] = backend_summary(self.matrix_backends)  # matrices per backend actually used
+        stats["matrix_backends"] = {k: v["backend"] for k, v in self.matrix_backends.items()}
         shown = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
         return GenerateOutput(tokens=tokens, text=self.tokenizer.decode(shown), stats=stats)
 

@@ -11,10 +11,10 @@ accumulates over K in `block_k` chunks, in ascending order:
 so a row's result depends only on that row, its group's weights and K: never on the other rows of
 the tile, the batch size or the routing. Programs of unused tiles store zeros.
 
-Weights are read in the packed struct-of-arrays layout of `pallas_kernels.quant_blocks`:
-float32 (`{"w": [G, N, K]}`), Q8_0 (`{"qs", "d"}`) or Q4_K (`{"qs", "d", "dmin", "sc", "mn"}`);
-quantized blocks are dequantized inside the kernel, one 32-column sub-block per step, in gguf's
-operation order (exact), so `block_k` is 32 for them.
+Weights are read in the kernel layout of `pallas_kernels.quant_blocks` (`pack`; fields per type in
+`quant_blocks.KERNEL_FIELDS`): float32 (`{"w": [G, N, K]}`), Q8_0, Q4_K, Q5_K or Q6_K; quantized
+blocks are dequantized inside the kernel, one 32-column sub-block per step, in gguf's operation order
+(exact), so `block_k` is 32 for them.
 
 On a GPU the call lowers through Triton (`plt.CompilerParams` passed explicitly: Pallas would
 otherwise pick Mosaic GPU); on CPU run it with `interpret=True` (tests).
@@ -31,18 +31,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import quant_blocks as qb
 
-WEIGHT_FIELDS = {
-    "f32": ("w",),
-    "f16": ("w",),
-    "q8_0": ("qs", "d"),
-    "q4_k": ("qs", "d", "dmin", "sc", "mn"),
-}
-
-
-def _k_dim(w: dict[str, jax.Array], qtype: str) -> int:
-    if qtype in ("f32", "f16"):
-        return w["w"].shape[-1]
-    return w["qs"].shape[-1] * (2 if qtype == "q4_k" else 1)
+WEIGHT_FIELDS = qb.KERNEL_FIELDS
 
 
 def _load_w_tile(w_refs, qtype: str, g, n0, k0, block_n: int, block_k: int):
@@ -55,21 +44,31 @@ def _load_w_tile(w_refs, qtype: str, g, n0, k0, block_n: int, block_k: int):
         qs_ref, d_ref = w_refs
         sub = k0 >> 5  # k0 // 32
         return qb.dequant_tile_q8_0(qs_ref[g, rows, pl.ds(k0, qb.QK8_0)], d_ref[g, rows, pl.ds(sub, 1)])
-    if qtype == "q4_k":
-        qs_ref, d_ref, dmin_ref, sc_ref, mn_ref = w_refs
-        # Bit arithmetic, not // and %: jnp's floor division lowers to sign fix-ups Triton rejects.
-        sub = k0 >> 5  # global 32-column sub-block
-        sup = sub >> 3  # super-block of 256 columns
-        j = sub & 7  # sub-block within the super-block
+    # K-quants. Bit arithmetic, not // and %: jnp's floor division lowers to sign fix-ups Triton rejects.
+    sub = k0 >> 5  # global 32-column sub-block
+    sup = sub >> 3  # super-block of 256 columns
+    j = sub & 7  # sub-block within the super-block
+    if qtype in ("q4_k", "q5_k"):
+        qs_ref, *qh_ref, d_ref, dmin_ref, sc_ref, mn_ref = w_refs
         byte0 = sup * 128 + (j >> 1) * 32  # its 32 bytes: low nibbles for even j, high for odd
-        shift = (j & 1) * 4
-        return qb.dequant_tile_q4_k(
-            qs_ref[g, rows, pl.ds(byte0, 32)],
-            shift,
+        scales = (d_ref[g, rows, pl.ds(sup, 1)], dmin_ref[g, rows, pl.ds(sup, 1)],
+                  sc_ref[g, rows, pl.ds(sub, 1)], mn_ref[g, rows, pl.ds(sub, 1)])
+        q = qs_ref[g, rows, pl.ds(byte0, 32)]
+        if qtype == "q4_k":
+            return qb.dequant_tile_q4_k(q, (j & 1) * 4, *scales)
+        qh = qh_ref[0][g, rows, pl.ds(sup * 32, 32)]  # the super-block's 32 high-bit bytes, bit j
+        return qb.dequant_tile_q5_k(q, (j & 1) * 4, qh, j, *scales)
+    if qtype == "q6_k":
+        ql_ref, qh_ref, sc_ref, d_ref = w_refs
+        ql_off, shift_l, qh_off, shift_h = qb.q6_k_tile_index(j)
+        return qb.dequant_tile_q6_k(
+            ql_ref[g, rows, pl.ds(sup * 128 + ql_off, 32)],
+            shift_l,
+            qh_ref[g, rows, pl.ds(sup * 64 + qh_off, 32)],
+            shift_h,
             d_ref[g, rows, pl.ds(sup, 1)],
-            dmin_ref[g, rows, pl.ds(sup, 1)],
-            sc_ref[g, rows, pl.ds(sub, 1)],
-            mn_ref[g, rows, pl.ds(sub, 1)],
+            sc_ref[g, rows, pl.ds(sub * 2, 1)],
+            sc_ref[g, rows, pl.ds(sub * 2 + 1, 1)],
         )
     raise ValueError(f"unsupported qtype {qtype!r}")
 
@@ -119,20 +118,22 @@ def grouped_matmul(
     int32[n_tiles] (-1 = unused). Returns float32[n_tiles * block_m, N]. Block sizes must be powers of
     two (Triton); N % block_n == 0 and K % block_k == 0.
     """
+    if qtype not in WEIGHT_FIELDS:
+        raise ValueError(f"the grouped-matmul kernel reads {tuple(WEIGHT_FIELDS)}, not {qtype!r}")
     if tuple(sorted(w)) != tuple(sorted(WEIGHT_FIELDS[qtype])):
         raise ValueError(f"{qtype} weights need fields {WEIGHT_FIELDS[qtype]}, got {tuple(w)}")
     m, k = x.shape
     n_tiles = tile_group.shape[0]
     fields = WEIGHT_FIELDS[qtype]
     n = w[fields[0]].shape[1]
-    if qtype in qb.QUANTIZED:
+    if qtype not in ("f32", "f16"):
         block_k = 32
     block_k = block_k or min(k, 64)
     block_n = min(block_n, n)
     if m != n_tiles * block_m:
         raise ValueError(f"x has {m} rows, tile_group says {n_tiles} tiles of {block_m}")
-    if n % block_n or k % block_k or k != _k_dim(w, qtype):
-        raise ValueError(f"shapes: N={n} block_n={block_n} K={k} block_k={block_k} w K={_k_dim(w, qtype)}")
+    if n % block_n or k % block_k or k != qb.kernel_k(w, qtype):
+        raise ValueError(f"shapes: N={n} block_n={block_n} K={k} block_k={block_k} w K={qb.kernel_k(w, qtype)}")
     kernel = functools.partial(_kernel, qtype=qtype, k=k, block_m=block_m, block_n=block_n, block_k=block_k)
     return pl.pallas_call(
         kernel,

@@ -5,6 +5,8 @@ experts, vectors). `decode_read_bytes(model)` is what one decoded token reads wi
 layouts: every non-expert matrix whole, one embedding row, and top-k experts per MoE layer (the
 grouped dispatch reads each selected expert once). `decode_floor_bytes(f, config)` is the same count
 in the file's own encoding: the least any engine reading these weights must move per token.
+`matrix_backends(model, backend)` is the backend each matrix runs on (and why, where the selected
+backend does not serve it); `backend_summary` counts them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flax import nnx
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.quant import QTensor
+from sharpi_jax.quant import registry
 
 
 def _nbytes(tree) -> int:
@@ -77,3 +80,54 @@ def decode_read_bytes(model: nnx.Module, f: GGUFFile, c: ModelConfig) -> int:
     row = embed.nbytes // embed.shape[0]
     experts = sum(c.n_expert_used * _expert_bytes_per_expert(f, i) for i in range(c.n_layer)) if c.is_moe else 0
     return matrices + held.get("vectors", 0) + row + experts
+
+
+def _path_name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def matrix_backends(model: nnx.Module, backend: str) -> dict[str, dict]:
+    """Every matrix a step multiplies by, with the backend it runs on (the one that laid its QTensor out,
+    `QTensor.kernels`) when `backend` (resolved) is selected: {name: {"type", "shape", "backend", "why"}}.
+    Names are param paths (a fused projection of several ggml types is several matrices, suffixed [i]);
+    a routed-expert stack is one entry per layer and matrix kind, with one expert's shape. "why" says
+    why a matrix is not on `backend` (`Backend.why_not`; an expert stack whose own type is served falls
+    back with its layer's other stacks: one grouped op computes all three); None when it is."""
+    selected = registry.get(backend)
+    out: dict[str, dict] = {}
+    stacks: dict[tuple, dict[str, QTensor]] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value() if hasattr(var, "get_value") else var
+        if "experts" in path:
+            if isinstance(value, QTensor) and len(value.shape) == 3:
+                stacks.setdefault(path[:-1], {})[str(path[-1])] = value
+            continue
+        if not (isinstance(value, tuple) and value and isinstance(value[0], QTensor)):
+            continue  # (a bare QTensor is the embedding table: a row gather, not a product)
+        for i, q in enumerate(value):
+            name = _path_name(path) + (f"[{i}]" if len(value) > 1 else "")
+            why = selected.why_not(q.qtype, q.shape) if q.kernels != backend else None
+            out[name] = {"type": q.ggml_type.name, "shape": tuple(q.shape), "backend": q.kernels, "why": why}
+    for parent, mats in stacks.items():
+        reasons = {w: selected.why_not(q.qtype, q.shape) for w, q in mats.items()}
+        bad = ", ".join(f"ffn_{w}_exps" for w, r in reasons.items() if r)
+        for w, q in mats.items():
+            why = None if q.kernels == backend else (reasons[w] or f"its layer's {bad} fall back (one grouped op)")
+            out[f"{_path_name(parent)}.{w}"] = {"type": q.ggml_type.name, "shape": tuple(q.shape[1:]),
+                                               "backend": q.kernels, "why": why}
+    return out
+
+
+def backend_summary(backends: dict[str, dict]) -> dict[str, int]:
+    """Matrices per backend, e.g. {"pallas": 61, "reference": 2}."""
+    return dict(Counter(v["backend"] for v in backends.values()))
+
+
+def fallback_message(backends: dict[str, dict], selected: str) -> str | None:
+    """One line naming every matrix not on the `selected` backend, with its type and why; None if none."""
+    off = {k: v for k, v in backends.items() if v["backend"] != selected}
+    if not off:
+        return None
+    items = ", ".join(f"{k} ({v['type']} {v['shape'][0]}x{v['shape'][1]} on {v['backend']}: {v['why']})"
+                      for k, v in off.items())
+    return f"kernels={selected!r}: {len(off)} of {len(backends)} matrices fall back: {items}"

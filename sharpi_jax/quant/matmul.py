@@ -10,7 +10,8 @@ loader holds every matrix (and every routed-expert stack) for a backend.
 | "reference" | f32 dot on the exact values      | dequantize exactly in the step, f32 dot               |
 | "xla"       | f32 dot (BF16: bf16 x bf16 -> f32)| SoA (Q8_0/Q4_K) or blocks, dequantized in the step;  |
 |             |                                  | repack="int8"/"auto": int8 rows, two-plane int8 dot   |
-| "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K); others: the reference |
+| "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K, Q5_K, Q6_K); |
+|             |                                  | others: the reference (`MatrixFormat.why_not` says why) |
 
 "auto" is the highest-ranked registered backend for the platform: "pallas" on a GPU, "xla" elsewhere.
 On CPU the Pallas kernel runs in interpret mode (tests).
@@ -52,6 +53,10 @@ class MatrixFormat:
     def backend_for(self, qtype: int, shape: tuple[int, ...]) -> str:
         """The backend that holds and computes a tensor of this type and shape."""
         return registry.serving(self.backend, qtype, shape).name
+
+    def why_not(self, qtype: int, shape: tuple[int, ...]) -> str | None:
+        """None when the selected backend holds this tensor itself; else why it falls back, in words."""
+        return registry.get(self.backend).why_not(qtype, shape)
 
     def layout(self, qtype: int, shape: tuple[int, ...]) -> str:
         """The layout of a [rows, cols] matrix (or an [E, rows, cols] expert stack)."""

@@ -10,8 +10,11 @@ a matmul contracts (a GGUF row). Layouts, all holding the file's values:
 - "blocks": {"raw": uint8[..., rows, row_bytes]}: the GGUF bytes as they are (any supported type).
 - "soa":    Q8_0 / Q4_K split into one array per block field (same bytes; XLA:CPU dequantizes it ~8x
            faster than interleaved blocks): {"d", "qs"} or {"d", "dmin", "scales", "qs"}.
-- "kernel": the Pallas grouped-matmul layout (SoA with Q4_K's 6-bit scales unpacked, 148 B per 256
-           weights instead of 144; float types as f32 {"w"}).
+- "kernel": the Pallas grouped-matmul layout (`pallas_kernels.quant_blocks.pack`: one array per block
+           field; bytes per 256 weights Q8_0 272, Q4_K 148, Q5_K 180, Q6_K 210 (GGUF: 272 / 144 / 176 /
+           210); float types as f32 {"w"}); a [rows, cols] matrix's rows zero-padded to a multiple of
+           KERNEL_ROWS (a router of n_expert + 1 rows, fused projections) so that every N tiles (expert
+           stacks are not padded); `dequantize` drops the padding.
 - "int8":   {"q": int8[..., rows, cols], "s": float32[..., rows, 1]}: an explicit, lossy repacking for
            XLA:CPU integer dots (the exact dequantized row re-quantized with one scale per row,
            |error| <= s/2 = max|row|/254). Memory: 1 byte per weight + 4 per row.
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pallas_kernels import KERNEL_TYPES as PALLAS_KERNEL_TYPES
 from pallas_kernels import quant_blocks as qb
 from sharpi_jax.errors import UnsupportedQuantError
 from sharpi_jax.gguf import quants as formats
@@ -42,7 +46,8 @@ Q = GGMLQuantizationType
 LAYOUTS = ("float", "float_t", "blocks", "soa", "kernel", "int8")
 FLOAT_TYPES = {Q.F32: jnp.float32, Q.F16: jnp.float16, Q.BF16: jnp.bfloat16}
 SOA_TYPES = {Q.Q8_0: "q8_0", Q.Q4_K: "q4_k"}  # the SoA / kernel layouts exist for these block types
-KERNEL_TYPES = {Q.F32: "f32", Q.F16: "f16", **SOA_TYPES}
+KERNEL_TYPES = {Q[name.upper()]: name for name in PALLAS_KERNEL_TYPES}  # the "kernel" layout's types
+KERNEL_ROWS = 16  # "kernel" layout rows are padded to a multiple of this (the kernel's smallest column tile)
 # The backend that computes a QTensor built without one (`QTensor.backend` None), by layout.
 DEFAULT_BACKEND = {"float": "reference", "float_t": "xla", "blocks": "reference", "soa": "xla",
                    "kernel": "pallas", "int8": "xla"}
@@ -157,7 +162,10 @@ def _pack(raw: jax.Array, qtype: int, shape: tuple[int, ...], layout: str) -> QT
     if layout == "soa":
         return QTensor(qb.to_soa(raw, SOA_TYPES[qt], shape[-1]), qtype, shape, layout)
     if layout == "kernel":
-        return QTensor(qb.pack(_kernel_input(raw, qt, shape), KERNEL_TYPES[qt], shape[-1]), qtype, shape, layout)
+        pad = -shape[-2] % KERNEL_ROWS if len(shape) == 2 else 0  # zero rows: zero weights in every type
+        raw = jnp.pad(raw, [(0, 0)] * (raw.ndim - 2) + [(0, pad), (0, 0)]) if pad else raw
+        padded = (*shape[:-2], shape[-2] + pad, shape[-1])
+        return QTensor(qb.pack(_kernel_input(raw, qt, padded), KERNEL_TYPES[qt], shape[-1]), qtype, shape, layout)
     w = _dequantize_blocks(raw, qt, shape)  # "int8"
     return QTensor(requantize_int8(w), qtype, shape, layout)
 
@@ -197,7 +205,7 @@ def dequantize_data(data: dict[str, Any], qtype: int, shape: tuple[int, ...], la
     if layout == "soa":
         return qb.dequantize_soa(data, SOA_TYPES[qt])
     if layout == "kernel":
-        return qb.dequantize_packed(data, KERNEL_TYPES[qt])
+        return qb.dequantize_packed(data, KERNEL_TYPES[qt])[..., :shape[-2], :]
     if layout == "int8":
         return data["q"].astype(jnp.float32) * data["s"]
     raise ValueError(f"unknown QTensor layout {layout!r}")

@@ -6,7 +6,8 @@ A backend (`Backend`, one module each under `sharpi_jax.quant.backends`) declare
   (highest wins; 0: never picked by "auto"); `unavailable()`: None, or why it cannot run here (a
   native extension that did not load) and the fix, in one line ("auto" then skips it);
 - `serves(qtype, shape)`: whether it computes a matrix (or an expert stack [E, rows, cols]) of ggml type
-  `qtype`; one it does not serve is held and computed by its `fallback` backend instead;
+  `qtype`; one it does not serve is held and computed by its `fallback` backend instead (`serving`:
+  the one place that decides), and `why_not(qtype, shape)` says why, in words (`sj.load` warns with it);
 - `layout(qtype, shape, repack)`: the `QTensor` layout it wants that matrix stored in (chosen once, at
   load, by `matmul.MatrixFormat`); `repacks`: the explicit repackings it accepts;
 - `matmul(x, w)`: x float32 [M, K] @ W.T for a QTensor W [N, K] it laid out;
@@ -73,6 +74,15 @@ class Backend:
     def serves(self, qtype: int, shape: tuple[int, ...]) -> bool:
         """Whether this backend holds and computes a [..., rows, cols] tensor of ggml type `qtype`."""
         raise NotImplementedError
+
+    def why_not(self, qtype: int, shape: tuple[int, ...]) -> str | None:
+        """None when `serves(qtype, shape)`; else why not, in words (a backend with finer rules says
+        which one the tensor breaks)."""
+        if self.serves(qtype, shape):
+            return None
+        from gguf import GGMLQuantizationType  # pylint: disable=import-outside-toplevel
+
+        return f"{self.name} does not serve ggml type {GGMLQuantizationType(qtype).name} {'x'.join(map(str, shape))}"
 
     def layout(self, qtype: int, shape: tuple[int, ...], repack: str | None) -> str:
         """The QTensor layout of a served matrix ([rows, cols]) or expert stack ([E, rows, cols])."""

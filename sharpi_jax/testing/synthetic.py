@@ -65,6 +65,20 @@ def random_blocks(rng: np.random.Generator, qtype: Q, shape: Sequence[int], scal
     return raw.reshape(*shape[:-1], shape[-1] // block * type_size)
 
 
+def _override(spec: TensorSpec, t: Q, overrides: Sequence[tuple[str, str | int | Q]]) -> Q:
+    """`t`, or the first override whose name part is in the tensor's name (quantized tensors only, and
+    only where the rows fit the new type's block)."""
+    if t in FLOAT_TYPES:
+        return t
+    for pattern, new in overrides:
+        new = as_qtype(new)
+        if f".{pattern}." in f".{spec.name}." and spec.shape[-1] % GGML_QUANT_SIZES[new][0] == 0:
+            if new not in SYNTHETIC_TYPES:
+                raise InputError(f"synthetic writer cannot generate ggml type {new.name}")
+            return new
+    return t
+
+
 def _float_values(rng: np.random.Generator, spec: TensorSpec, c: ModelConfig, scale: float) -> np.ndarray:
     """Plausible float32 values for a tensor llama.cpp keeps in F32 (norms, gates, conv, ssm_a...)."""
     name, shape = spec.name, spec.shape
@@ -109,11 +123,15 @@ def write_synthetic_gguf(
     name: str = "sharpi-synthetic",
     tied_embeddings: bool = False,
     progress: bool = False,
+    type_overrides: Sequence[tuple[str, str | int | Q]] = (),
 ) -> Path:
     """Write a valid GGUF of `config` (any arch, any shape, with its MTP block) with random weights.
 
     qtype: block type of the 2-D+ weight matrices (rows that don't fit its block fall back to Q8_0,
     F16 or F32, as llama-quantize does); expert_qtype: type of routed experts (default: qtype).
+    type_overrides: (name part, type) pairs, first match wins, for quantized tensors whose rows fit that
+    type's block (a llama-quantize mix such as Q4_K_M); a name part is whole dot-separated fields of
+    the tensor name ("attn_v", "blk.2.ffn_down_exps", "output.weight" but not "blk.3.attn_output.weight").
     Norms, router, conv, ssm_a and dt bias are F32 as in converter output. Returns the path.
     """
     qtype, expert_qtype = as_qtype(qtype), as_qtype(expert_qtype if expert_qtype is not None else qtype)
@@ -125,6 +143,7 @@ def write_synthetic_gguf(
     rng = np.random.default_rng(seed)
     vocab = vocab if vocab is not None else byte_level_vocab(config.n_vocab)
     plan = model_tensor_plan(config, qtype, expert_qtype, tied_embeddings=tied_embeddings)
+    plan = [(spec, _override(spec, t, type_overrides)) for spec, t in plan]
 
     def data(spec: TensorSpec, t: Q) -> np.ndarray:
         # Scale by fan-in so activations stay O(1) through deep random stacks.

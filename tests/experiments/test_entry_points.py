@@ -98,6 +98,7 @@ COMMANDS = {
     "test_residency_sim": ("residency_sim", lambda t: [
         "--model=default", "--tokens=40", "--budgets=0.25,0.5", "--key_budget=0.25", "--drafts=2",
         f"--out_dir={t / 'sim'}"]),
+    "test_gpu_check_without_a_gpu_says_so_in_one_line": ("gpu_check", lambda t: []),
     "test_info": ("info", lambda t: ["--json"]),
     "test_info_text": ("info", lambda t: []),
     "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
@@ -213,6 +214,14 @@ def test_write_synthetic(runs, request):
     with GGUFFile(out) as f:
         c = read_model_config(f)
         assert c.n_layer == 2 and c.arch == "qwen35moe" and len(f.tensors) > 10
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
+    """Here (no GPU): one line saying so, exit 0, and nothing written (no slice without a GPU)."""
+    tmp, res = result(runs, request)
+    lines = [ln for ln in ok(res).stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: no GPU here (JAX backend 'cpu')")
+    assert not (tmp / "cache").exists()
 
 
 def test_bench_decode(runs, request):

@@ -13,6 +13,7 @@ import pytest
 
 from sharpi_jax.errors import InputError, UnsupportedQuantError
 from sharpi_jax.quant import MatrixFormat, matmul, pack, pack_rows, reference_matmul, resolve_kernels, weight_layout
+from sharpi_jax.quant import ggml as qtensor_ggml
 from sharpi_jax.quant import qtensor
 from sharpi_jax.quant.backends.xla import quantize_rows_int8
 from pallas_kernels import quant_blocks as qb
@@ -36,6 +37,8 @@ def _raw(qt: Q, rng, rows=N, cols=K) -> np.ndarray:
         blocks = rng.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
         blocks[:, 208:210] = (rng.uniform(0.5, 1.5, (len(blocks), 1)) * 2**-12).astype(np.float16).view(np.uint8)
         return blocks.reshape(rows, -1)
+    if qt == Q.Q5_K:  # nor a Q5_K one
+        return qb.random_blocks(rng, (rows, cols), "q5_k")
     if qt in NEW_TYPES:  # no gguf quantizer: random blocks with finite scales, extreme scales first
         bs, ts = gguf.GGML_QUANT_SIZES[qt]
         return random_blocks(qt, int(rng.integers(1 << 30)), rows * cols // bs).reshape(rows, -1)
@@ -44,7 +47,7 @@ def _raw(qt: Q, rng, rows=N, cols=K) -> np.ndarray:
 
 # The types read since issue 23 (i-quants, ternary, NVFP4): held as GGUF blocks, dequantized exactly.
 NEW_TYPES = [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.NVFP4]
-TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K, *NEW_TYPES]
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q6_K, *NEW_TYPES]
 EXACT_LAYOUTS = ("float", "float_t", "blocks", "soa", "kernel")
 
 
@@ -95,7 +98,8 @@ LAYOUT_TOLERANCE = {"float": 1e-6, "float_t": 1e-6, "blocks": 1e-6, "soa": 1e-6,
                     "int8": 1.5e-2}  # int8: weights rounded to 1/254 of their row max (activations ~exact)
 
 
-@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_M, Q.NVFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_M, Q.NVFP4],
+                         ids=lambda t: t.name)
 def test_matmul_layouts_match_the_reference(qt):
     rng = np.random.default_rng(5)
     raw = _raw(qt, rng)
@@ -159,13 +163,32 @@ def test_layout_policy():
     assert weight_layout("pallas", int(Q.Q4_K), (248320, 2048), "auto") == "kernel"
     assert weight_layout("reference", int(Q.Q4_K), (N, K)) == "blocks"
     assert weight_layout("pallas", int(Q.Q4_K), (N, K)) == "kernel"
-    assert weight_layout("pallas", int(Q.Q6_K), (N, K)) == "blocks"  # no in-kernel Q6_K: dequantize + dot
-    assert weight_layout("pallas", int(Q.Q8_0), (17, K)) == "blocks"  # 17 outputs: no power-of-two tile
-    assert resolve_kernels("auto", "cpu") == "xla" and resolve_kernels("auto", "gpu") == "pallas"
+    assert weight_layout("pallas", int(Q.Q6_K), (N, K)) == "kernel"  # in-kernel Q5_K / Q6_K
+    assert weight_layout("pallas", int(Q.Q5_K), (N, K)) == "kernel"
+    assert weight_layout("pallas", int(Q.Q5_0), (N, K)) == "blocks"  # no in-kernel Q5_0: dequantize + dot
+    assert weight_layout("pallas", int(Q.Q8_0), (17, K)) == "kernel"  # 17 outputs: rows padded to 32
+    cpu_default = "ggml" if qtensor_ggml.available() else "xla"  # ggml where its extension is built
+    assert resolve_kernels("auto", "cpu") == cpu_default and resolve_kernels("auto", "gpu") == "pallas"
     for bad in (lambda: resolve_kernels("cuda"), lambda: MatrixFormat("xla", "int4"),
                 lambda: MatrixFormat("pallas", "int8")):
         with pytest.raises(InputError):
             bad()
+
+
+@pytest.mark.parametrize("qt", [Q.F32, Q.Q6_K], ids=lambda t: t.name)
+def test_kernel_layout_pads_rows_to_a_tile(qt):
+    """A matrix of 17 outputs (a router of n_expert + 1 rows) is held with rows zero-padded to 32, and
+    its product and dequantization are those of the 17 rows."""
+    rng = np.random.default_rng(9)
+    raw = _raw(qt, rng, rows=17)
+    w = pack(jnp.asarray(raw), int(qt), (17, K), "kernel")
+    assert w.shape == (17, K) and all(a.shape[0] == 32 for a in w.data.values())
+    want = np.asarray(gguf.quants.dequantize(raw, qt), np.float32).reshape(17, K)
+    assert_bitwise_equal(w.dequantize(), want)
+    x = jnp.asarray(rng.standard_normal((3, K), dtype=np.float32))
+    y = np.asarray(matmul(x, w))
+    assert y.shape == (3, 17)
+    np.testing.assert_allclose(y, np.asarray(x) @ want.T, rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_shape_mismatch_is_a_clear_error():

@@ -20,6 +20,8 @@ from sharpi_jax.testing.experts import expert_stacks, random_expert_bytes
 from sharpi_jax.testing.experts import quantize as quantize_rows
 from tests.bitwise import assert_bitwise_equal
 
+CPU_DEFAULT = "ggml" if quant.ggml.available() else "xla"  # kernels="auto" on CPU: ggml where it is built
+
 
 class FakeBackend(quant.Backend):
     """Q8_0 and F32 in the "blocks" layout (the file's bytes), products by the exact reference; counts
@@ -65,7 +67,7 @@ def fake():
 def test_registration_and_resolution(fake):
     assert "fake" in quant.names() and "fake" in quant.kernel_names()
     assert quant.resolve_kernels("fake") == "fake" and quant.resolve_kernels("auto", "fakeplat") == "fake"
-    assert quant.resolve_kernels("auto", "cpu") == "xla"  # ranked only on its own platform
+    assert quant.resolve_kernels("auto", "cpu") == CPU_DEFAULT  # ranked only on its own platform
     with pytest.raises(ValueError, match="already registered"):
         quant.register(FakeBackend())
     fmt = MatrixFormat("fake", None)
@@ -79,7 +81,7 @@ def test_an_unavailable_backend_names_why_and_auto_skips_it(fake, monkeypatch):
     monkeypatch.setattr(fake, "platforms", ("cpu",))
     assert quant.resolve_kernels("auto", "cpu") == "fake"  # ranked above xla on cpu
     monkeypatch.setattr(fake, "unavailable", lambda: "the native library did not load; reinstall with pip")
-    assert quant.resolve_kernels("auto", "cpu") == "xla"
+    assert quant.resolve_kernels("auto", "cpu") == CPU_DEFAULT
     with pytest.raises(InputError, match="kernels='fake' cannot run here: the native library did not load"):
         quant.resolve_kernels("fake")
 

@@ -45,11 +45,16 @@ class GgmlBackend(Backend):
         return ggml.unavailable_reason()
 
     def serves(self, qtype: int, shape: tuple[int, ...]) -> bool:
+        return self.why_not(qtype, shape) is None
+
+    def why_not(self, qtype: int, shape: tuple[int, ...]) -> str | None:
         qt = Q(qtype)
         if not ggml.serves(qt) or qt not in formats.SUPPORTED_TYPES:
-            return False
+            return f"ggml has no CPU kernel for ggml type {qt.name}"
         block = GGML_QUANT_SIZES[qt][0]
-        return shape[-1] % block == 0
+        if shape[-1] % block:
+            return f"row length {shape[-1]} is not a multiple of the {qt.name} block ({block})"
+        return None
 
     def layout(self, qtype: int, shape: tuple[int, ...], repack: str | None) -> str:
         return "blocks"

@@ -1,9 +1,12 @@
 """The "pallas" backend (the GPU default): Triton kernels that dequantize GGUF blocks in-kernel
 (`pallas_kernels.grouped_matmul`; interpret mode on CPU, for tests).
 
-Serves F32 / F16 / Q8_0 / Q4_K in the "kernel" layout (SoA fields with Q4_K's 6-bit scales unpacked:
-148 B per 256 weights instead of 144); a [N, K] matrix also needs K % 32 == 0 and N a multiple of a
-power-of-two column tile. Anything else falls back to "reference" (dequantize + dot). Routed experts:
+Serves `pallas_kernels.KERNEL_TYPES` (F32 / F16 / Q8_0 / Q4_K / Q5_K / Q6_K) in the "kernel" layout
+(one array per block field, K-quant scales unpacked), where the kernel tiles the shape (`why_not`):
+K % 32 == 0; a dense matrix's rows are zero-padded at load to a multiple of 16 (`qtensor.KERNEL_ROWS`),
+so any N tiles (a router of n_expert + 1 rows, fused projections); one expert's N (not padded) must be
+a multiple of the expert column tile (64) or a power of two below it. Anything else falls back to
+"reference" (dequantize + dot), and `sj.load` names it. Routed experts:
 expert stacks in the kernel layout, laid out once at load, computed by one grouped op (rows bucketed
 into `block_m`-row tiles per expert, the grouped-matmul kernel for gate, up and down, the Pallas
 weighted reduce). The per-row reduction order depends only on K, so rows are batch-independent.
@@ -32,10 +35,27 @@ def _block_n(n: int) -> int | None:
     return None
 
 
-def pallas_fits(shape: tuple[int, ...]) -> bool:
-    """Whether the Triton kernel takes a [N, K] matrix: N a multiple of a power-of-two column tile."""
+PALLAS_K_STEP = 32  # columns per kernel step
+
+
+def why_not(qtype: int, shape: tuple[int, ...]) -> str | None:
+    """None when the kernels take a [N, K] matrix (dense, rows padded to 16 at load) or an expert stack
+    [E, N, K] (one expert's N not padded: a multiple of PALLAS_BLOCK_N or a power of two below it);
+    else why not, in words."""
+    if Q(qtype) not in KERNEL_TYPES:
+        return f"ggml type {Q(qtype).name} has no Pallas kernel"
     n, k = shape[-2], shape[-1]
-    return k % 32 == 0 and _block_n(n) is not None
+    stack = len(shape) == 3
+    rows_ok = not stack or n % PALLAS_BLOCK_N == 0 or (n < PALLAS_BLOCK_N and n & (n - 1) == 0)
+    if k % PALLAS_K_STEP or not rows_ok:
+        rule = f"K % {PALLAS_K_STEP} == 0" + (f", expert N % {PALLAS_BLOCK_N} == 0" if stack else "")
+        return f"shape {n}x{k} does not tile ({rule})"
+    return None
+
+
+def pallas_fits(shape: tuple[int, ...]) -> bool:
+    """Whether the Triton kernel tiles a [N, K] matrix (rows padded to 16) or an [E, N, K] stack."""
+    return why_not(int(Q.F32), shape) is None
 
 
 def _interpret(interpret: bool | None) -> bool:
@@ -49,9 +69,10 @@ def kernel_matmul(x: jax.Array, w: QTensor, interpret: bool | None = None) -> ja
     n_tiles = -(-m // bm)
     xp = jnp.zeros((n_tiles * bm, x.shape[1]), jnp.float32).at[:m].set(x)
     weights = jax.tree.map(lambda a: a[None], w.data)  # one group
+    n_held = next(iter(w.data.values())).shape[-2]  # rows padded to a multiple of 16 (qtensor.KERNEL_ROWS)
     y = gm.grouped_matmul(xp, weights, jnp.zeros((n_tiles,), jnp.int32), qtype=KERNEL_TYPES[Q(w.qtype)],
-                          block_m=bm, block_n=_block_n(w.rows), interpret=_interpret(interpret))
-    return y[:m]
+                          block_m=bm, block_n=_block_n(n_held), interpret=_interpret(interpret))
+    return y[:m, :w.rows]
 
 
 def grouped_expert_rows(u: jax.Array, sel: jax.Array, experts: tuple[QTensor, QTensor, QTensor],
@@ -83,7 +104,10 @@ class PallasBackend(Backend):
     fallback = "reference"
 
     def serves(self, qtype: int, shape: tuple[int, ...]) -> bool:
-        return Q(qtype) in KERNEL_TYPES and (len(shape) == 3 or pallas_fits(shape))
+        return why_not(qtype, shape) is None
+
+    def why_not(self, qtype: int, shape: tuple[int, ...]) -> str | None:
+        return why_not(qtype, shape)
 
     def layout(self, qtype: int, shape: tuple[int, ...], repack: str | None) -> str:
         return "kernel"

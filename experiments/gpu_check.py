@@ -1,0 +1,191 @@
+"""The first thing to run on a GPU: one command that times the GPU path and prints what matters.
+
+    python -m experiments.gpu_check [--gguf=PATH] [--llama_bin=DIR] [--repeats=3]
+
+On a machine without a GPU it prints one line saying so and exits 0. On a GPU:
+
+1. the model: --gguf, else the 35B-A3B-shaped 4-layer Q4_K_M slice in $SHARPI_CACHE (written once:
+   write_synthetic Q8_0 + `llama-quantize Q4_K_M` when --llama_bin names a llama.cpp bin directory, else
+   write_synthetic Q4_K with the types llama-quantize's Q4_K_M gives the 4 + 1 blocks: Q6_K LM head,
+   ffn_down_exps / ffn_down_shexp of blocks 2 and 4, blk.2.attn_qkv and blk.4.attn_v; see WORKSPACE,
+   "No silent fallback, and the type mix of K-quant files");
+2. the backend each matrix runs on under kernels="pallas" (any fallback is named);
+3. prefill and decode tok/s for kernels="pallas" and kernels="xla": loaded, warmed up, then --repeats
+   interleaved rounds (experiments.timing), median [min-max];
+4. bytes read per decoded token (pallas layouts) against the device's measured bandwidth (a jitted
+   read of a 1 GiB array): the HBM floor in ms / token and the share of it the measured decode reaches;
+5. the MTP k = 3 pass: the time of one 4-row verify pass and of one decode step (experiments.pass_timing),
+   and generate(speculative="mtp", draft_tokens=3) tok/s;
+6. logits agreement, pallas vs reference: relative L2 and max |diff| of the prompt's logits, argmax match;
+7. the residency path with a 25% expert budget (kernels="xla": the Pallas path reads whole expert stacks):
+   decode tok/s, hit rate and MiB streamed per token.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+from experiments.presets import Q4_K_M_MIX_4L
+from experiments.timing import fmt_spread, interleaved, line_buffered
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("gguf", None, "Model to check (default: the 35B-A3B-shaped 4-layer Q4_K_M slice, written once).")
+flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-quantize: the default slice is then a "
+                    "real `llama-quantize Q4_K_M` of a synthetic Q8_0 file.")
+flags.DEFINE_integer("repeats", 3, "Timed interleaved rounds (median and min-max reported).", lower_bound=1)
+flags.DEFINE_integer("prompt_tokens", 128, "Prompt length for prefill.")
+flags.DEFINE_integer("decode_tokens", 32, "Decoded tokens per round.")
+flags.DEFINE_integer("max_context", 1024, "KV positions.")
+flags.DEFINE_string("expert_budget", "25%", "Expert budget of the residency run.")
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+N_LAYER = 4
+
+
+def gpu_platform() -> str | None:
+    """The JAX GPU platform name, or None when JAX runs without a GPU."""
+    import jax
+
+    backend = jax.default_backend()
+    return backend if backend in GPU_PLATFORMS else None
+
+
+def default_slice(llama_bin: str | None) -> Path:
+    """The 35B-A3B-shaped 4-layer Q4_K_M slice in the cache dir, written on first use."""
+    from experiments.presets import cache_dir
+    from sharpi_jax.config import shape_preset
+    from sharpi_jax.testing import write_synthetic_gguf
+
+    kind = "llama-quantize" if llama_bin else "synthetic-mix"
+    path = cache_dir() / "gpu-check" / f"s35-{N_LAYER}L-Q4_K_M-{kind}.gguf"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = shape_preset("qwen36-35b-a3b", N_LAYER)
+    tmp = path.with_suffix(".partial")
+    if llama_bin:
+        q8 = path.with_name(f"s35-{N_LAYER}L-Q8_0.gguf")
+        if not q8.exists():
+            write_synthetic_gguf(q8, config, "Q8_0", progress=True, name="synthetic-qwen36-35b-a3b")
+        from experiments.llama_cpp_side import find_tool
+
+        tool = find_tool(llama_bin, "llama-quantize")
+        if tool is None:
+            raise SystemExit(f"gpu_check: no llama-quantize in {llama_bin}")
+        env = {**os.environ, "LD_LIBRARY_PATH": f"{tool.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+        subprocess.run([str(tool), "--allow-requantize", str(q8), str(tmp), "Q4_K_M"], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+    else:
+        write_synthetic_gguf(tmp, config, "Q4_K", progress=True, name="synthetic-qwen36-35b-a3b",
+                             type_overrides=Q4_K_M_MIX_4L)
+    tmp.rename(path)
+    return path
+
+
+def measured_bandwidth_gbs(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device read bandwidth, GB/s: the best of `repeats` jitted sums over an n_bytes float32 array."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: jnp.sum(a))
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return n_bytes / best / 1e9
+
+
+def _prompt(n_vocab: int, n: int) -> list[int]:
+    return [int(i) for i in np.random.default_rng(0).integers(0, n_vocab, n)]
+
+
+def run_check(path: Path) -> None:
+    import sharpi_jax as sj
+    from experiments.pass_timing import pass_timing
+    from sharpi_jax.model.footprint import backend_summary, decode_floor_bytes, decode_read_bytes, fallback_message
+
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    say(f"gpu_check: {path}")
+    load = lambda **kw: sj.load(path, max_context=FLAGS.max_context, **kw)  # noqa: E731
+    engines = {"pallas": load(kernels="pallas"), "xla": load(kernels="xla")}
+    e = engines["pallas"]
+    ids = _prompt(e.config.n_vocab, FLAGS.prompt_tokens)
+    say(f"backends (kernels='pallas'): {backend_summary(e.matrix_backends)}; "
+        f"{fallback_message(e.matrix_backends, 'pallas') or 'no fallback'}")
+
+    def run(name):
+        return engines[name].generate(ids, max_new_tokens=FLAGS.decode_tokens, stop_on_eos=False)
+
+    names = list(engines)
+    results = interleaved(names, run, FLAGS.repeats, warm=lambda n: engines[n].generate(ids, max_new_tokens=3),
+                          what="backends")
+    decode = {}
+    for name, outs in zip(names, results):
+        pre = [o.stats["prefill_tok_s"] for o in outs]
+        decode[name] = [o.stats["decode_tok_s"] for o in outs]
+        say(f"kernels={name:7s} prefill {fmt_spread(pre)} tok/s ({len(ids)} tokens), "
+            f"decode {fmt_spread(decode[name], digits=2)} tok/s ({FLAGS.decode_tokens} tokens)")
+
+    bw = measured_bandwidth_gbs()
+    read = decode_read_bytes(e.model, e.gguf, e.config)
+    floor = decode_floor_bytes(e.gguf, e.config)
+    floor_ms = read / (bw * 1e9) * 1e3
+    dec_ms = 1e3 / float(np.median(decode["pallas"]))
+    say(f"bytes per decoded token: {read / 2**20:.0f} MiB with pallas layouts (file floor {floor / 2**20:.0f} MiB); "
+        f"measured bandwidth {bw:.0f} GB/s -> HBM floor {floor_ms:.2f} ms/token; pallas decode {dec_ms:.2f} ms/token "
+        f"= {100 * floor_ms / dec_ms:.0f}% of the floor's speed")
+
+    rec = {r["rows"]: r for r in pass_timing(e, ids, [1, 4], FLAGS.repeats)}
+    say(f"MTP k=3: one 4-row verify pass {rec[4]['chain_ms']:.2f} ms [{rec[4]['chain_ms_min']:.2f}-"
+        f"{rec[4]['chain_ms_max']:.2f}], decode step {rec[1]['decode_ms']:.2f} ms "
+        f"(ratio {rec[4]['chain_ms'] / rec[1]['decode_ms']:.2f})")
+    e.generate(ids, max_new_tokens=4, speculative="mtp", draft_tokens=3)  # compiles the MTP shapes
+    mtp = [e.generate(ids, max_new_tokens=FLAGS.decode_tokens, speculative="mtp", draft_tokens=3, stop_on_eos=False)
+           for _ in range(FLAGS.repeats)]
+    say(f"MTP k=3 generate: decode {fmt_spread([o.stats['decode_tok_s'] for o in mtp], digits=2)} tok/s, "
+        f"mean accepted length {np.median([o.stats['mean_accept_len'] for o in mtp]):.2f} (random weights)")
+
+    ref = load(kernels="reference")
+    a, b = e.logits(ids[:32]), ref.logits(ids[:32])
+    rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    say(f"logits pallas vs reference (32 tokens): rel L2 {rel:.2e}, max |diff| {float(np.abs(a - b).max()):.2e}, "
+        f"argmax agree {float(np.mean(a.argmax(-1) == b.argmax(-1))):.3f}")
+    del ref, engines
+
+    res = load(kernels="xla", expert_budget=FLAGS.expert_budget, expert_policy="lru")
+    res.generate(ids, max_new_tokens=3)
+    outs = [res.generate(ids, max_new_tokens=FLAGS.decode_tokens, stop_on_eos=False) for _ in range(FLAGS.repeats)]
+    ex = outs[-1].stats["experts"]
+    say(f"residency (kernels='xla', expert_budget={FLAGS.expert_budget}, lru): decode "
+        f"{fmt_spread([o.stats['decode_tok_s'] for o in outs], digits=2)} tok/s, hit rate {ex['hit_rate']:.2f}, "
+        f"{ex['bytes_streamed_per_token'] / 2**20:.1f} MiB streamed per token")
+
+
+def main(argv) -> int:
+    del argv
+    line_buffered()
+    platform = gpu_platform()
+    if platform is None:
+        import jax
+
+        print(f"gpu_check: no GPU here (JAX backend {jax.default_backend()!r}); nothing to time, "
+              "run it on a GPU machine")
+        return 0
+    path = Path(FLAGS.gguf) if FLAGS.gguf else default_slice(FLAGS.llama_bin)
+    run_check(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
