@@ -99,6 +99,9 @@ COMMANDS = {
         "--model=default", "--tokens=40", "--budgets=0.25,0.5", "--key_budget=0.25", "--drafts=2",
         f"--out_dir={t / 'sim'}"]),
     "test_gpu_check_without_a_gpu_says_so_in_one_line": ("gpu_check", lambda t: []),
+    "test_bench_ggml": ("bench_ggml", lambda t: [
+        "--parts=matmul,experts", "--sizes=1,2", "--copies=2", "--n_expert=8", "--repeats=2",
+        f"--json_out={t / 'ggml.jsonl'}"]),
     "test_info": ("info", lambda t: ["--json"]),
     "test_info_text": ("info", lambda t: []),
     "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
@@ -294,6 +297,17 @@ def test_bench_moe(runs, request):
         assert r["grouped_bytes_per_token"] == r["bytes_grouped"] / r["N"]
         for key in ("ms_per_token", "ms_grouped", "cpu_ms_per_token", "cpu_ms_grouped"):
             _check_spread(r, key, rounds=2)
+
+
+def test_bench_ggml(runs, request):
+    """ggml's kernels through the FFI, on the host and in ggml's own graph, on 35B-A3B expert shapes."""
+    tmp, res = result(runs, request)
+    ok(res)
+    recs = jsonl(tmp / "ggml.jsonl")
+    assert {r["engine"] for r in recs} >= {"ffi", "host", "graph", "grouped", "per_token"}
+    assert {r["m"] for r in recs if "m" in r} == {1, 2}
+    for r in recs:
+        _check_spread(r, "ms", rounds=2)
 
 
 def test_bench_residency(runs, request):
