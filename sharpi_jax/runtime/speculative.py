@@ -352,19 +352,26 @@ class MTPDecoder:
 
 def _pass_stats(k: int, passes: list[tuple[int, int]]) -> dict[str, Any]:
     """Acceptance stats from (n_draft, accepted) per verify pass."""
-    drafted = sum(n for n, _ in passes)
-    accepted = sum(a for _, a in passes)
-    per_pos = []
-    for i in range(1, k + 1):
-        tried = [a for n, a in passes if n >= i]
-        per_pos.append(sum(a >= i for a in tried) / len(tried) if tried else 0.0)
+    counts = dict(passes=len(passes), drafted=sum(n for n, _ in passes), accepted=sum(a for _, a in passes),
+                  tried=[sum(n >= i for n, _ in passes) for i in range(1, k + 1)],
+                  hit=[sum(n >= i and a >= i for n, a in passes) for i in range(1, k + 1)])
+    return pass_stats_from_counts(k, counts)
+
+
+def pass_stats_from_counts(k: int, counts: dict | None) -> dict[str, Any]:
+    """Acceptance stats from pass counts: passes, drafted, accepted (sums over passes), tried[i-1] /
+    hit[i-1] (passes that drafted position i / accepted it), i = 1..k. None: no pass."""
+    if counts is None:
+        counts = dict(passes=0, drafted=0, accepted=0, tried=[0] * k, hit=[0] * k)
+    passes, drafted, accepted = int(counts["passes"]), int(counts["drafted"]), int(counts["accepted"])
     return {
         "drafted": drafted,
         "accepted": accepted,
-        "verify_passes": len(passes),
+        "verify_passes": passes,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accept_len": (accepted + len(passes)) / len(passes) if passes else 0.0,
-        "accept_per_position": per_pos,
+        "mean_accept_len": (accepted + passes) / passes if passes else 0.0,
+        "accept_per_position": [int(h) / int(t) if int(t) else 0.0
+                                for t, h in zip(counts["tried"][:k], counts["hit"][:k])],
     }
 
 
