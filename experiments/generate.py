@@ -40,6 +40,8 @@ flags.DEFINE_enum("speculative", None, ["mtp", "mtp_tree"], "Speculative decodin
 flags.DEFINE_integer("draft_tokens", 3, "MTP draft length k (tokens drafted per trunk pass).")
 flags.DEFINE_enum("verify", "batched", ["batched", "sequential"],
                   "MTP verify: one trunk pass over the k+1 rows, or one single-token step per row.")
+flags.DEFINE_enum("loop", "device", ["device", "host"], "device: the decode loop runs as one jitted program on "
+                  "the device; host: one jitted call per step / pass from Python (the sequential reference).")
 flags.DEFINE_integer("tree_nodes", None, "mtp_tree: draft nodes per trunk pass (default max(8, draft_tokens)).")
 flags.DEFINE_integer("max_snapshot_bytes", None, "mtp_tree: cap on the GDN snapshot bytes a pass keeps (one "
                      "snapshot per node; lowers tree_nodes).")
@@ -90,6 +92,7 @@ def main(argv) -> int:
         sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
                         seed=FLAGS.seed, stop_on_eos=FLAGS.stop_on_eos)
         spec = dict(speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
+        sampling["loop"] = FLAGS.loop
         if FLAGS.speculative == "mtp_tree":
             spec.update(tree_nodes=FLAGS.tree_nodes, max_snapshot_bytes=FLAGS.max_snapshot_bytes)
         elif FLAGS.tree_nodes is not None or FLAGS.max_snapshot_bytes is not None:
@@ -98,7 +101,7 @@ def main(argv) -> int:
             out, compare = _compare(engine, sampling, spec)
         else:
             if FLAGS.warmup:
-                engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature, **spec)
+                engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature, loop=FLAGS.loop, **spec)
             out = engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **spec)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,6 +26,7 @@ from sharpi_jax.model import snapkv
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
+from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
@@ -35,6 +36,7 @@ from sharpi_jax.runtime.tree import generate_tree
 SPECULATIVE_MODES = (None, "mtp", "mtp_tree")
 DEFAULT_TREE_NODES = 8
 VERIFY_MODES = ("batched", "sequential")
+LOOPS = ("device", "host")
 
 
 def _check_dtype(dtype: Any) -> None:
@@ -214,7 +216,7 @@ class Engine:
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
                  tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
                  kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None) -> GenerateOutput:
+                 kv_pool: int | None = None, loop: str = "device") -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
 
         speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
@@ -237,11 +239,20 @@ class Engine:
         "default": the engine's setting (`sj.load(kv_policy=...)`); None: no eviction; sizes left None
         take the engine's, else kv_window 32 and kv_pool 7. out.stats adds kv_slots (KV slots in use at
         the end), kv_evicted (prompt positions dropped per attention layer and KV head), kv_capacity.
+
+        loop="device": after the prefill, the whole decode loop (MTP off, or the MTP chain with batched
+        verify: draft, verify, accept, rollback, stop) runs as one jitted program on the device
+        (`sharpi_jax.runtime.device_loop`); "host": one jitted call per step or pass driven from Python,
+        the sequential reference (same tokens bit for bit). verify="sequential" and speculative="mtp_tree"
+        run the host loop either way. out.stats["loop"] names the loop that ran; the device loop reports
+        no draft_s / verify_s split.
         """
         if speculative not in SPECULATIVE_MODES:
             raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
         if verify not in VERIFY_MODES:
             raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if loop not in LOOPS:
+            raise InputError(f"loop must be one of {LOOPS}, got {loop!r}")
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) or draft_tokens < 1:
             raise InputError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
@@ -259,15 +270,22 @@ class Engine:
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if stop_on_eos else ()
-        if speculative == "mtp":
+        device = loop == "device"
+        if speculative == "mtp" and device and verify == "batched":
+            tokens, stats = generate_mtp_device(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
+                                                int(draft_tokens), kv=kv)
+        elif speculative == "mtp":
             tokens, stats = generate_mtp(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
                                          int(draft_tokens), verify, kv=kv)
         elif speculative == "mtp_tree":
             nodes = max(DEFAULT_TREE_NODES, int(draft_tokens)) if tree_nodes is None else int(tree_nodes)
             tokens, stats = generate_tree(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
                                           int(draft_tokens), nodes, verify, max_snapshot_bytes=max_snapshot_bytes)
+        elif device:
+            tokens, stats = generate_ids_device(self.runtime, ids, int(max_new_tokens), sampling, stop_ids, kv)
         else:
             tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids, kv)
+        stats.setdefault("loop", "host")
         if self.residency is not None:
             stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))
         shown = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens

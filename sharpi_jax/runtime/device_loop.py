@@ -37,9 +37,9 @@ STOP_REASONS = (None, "eos", "max_new_tokens", "max_context")  # index = the loo
 
 def out_slots(max_new_tokens: int, width: int = 0) -> int:
     """Output buffer length: max_new_tokens + width + 1 (a pass may emit width + 1 tokens), rounded up
-    to a power of two (>= 16)."""
+    to a power of two (>= 64, so short runs share one compile)."""
     need = int(max_new_tokens) + int(width) + 1
-    return max(16, 1 << (need - 1).bit_length())
+    return max(64, 1 << (need - 1).bit_length())
 
 
 def _eos_array(stop_ids: Collection[int]) -> np.ndarray:
@@ -83,7 +83,7 @@ def _plain_fn(decode):
         cache, state, pos, i, _, out, stop = jax.lax.while_loop(lambda c: c[-1] == 0, body, carry)
         return out, i + 1, stop, pos, cache
 
-    return jax.jit(run, donate_argnums=(1, 2), static_argnames=("greedy",))
+    return jax.jit(run, donate_argnums=(1,), static_argnames=("greedy",))
 
 
 def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
@@ -174,7 +174,7 @@ def _chain_fn(commit_verify, draft):
                       hit=c["hit"][1:])
         return c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"]
 
-    return jax.jit(run, donate_argnums=(1, 3, 4), static_argnames=("K", "greedy"))
+    return jax.jit(run, donate_argnums=(1,), static_argnames=("K", "greedy"))
 
 
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
