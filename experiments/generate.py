@@ -11,7 +11,9 @@ otherwise the text, then a stats line on stderr.
 --compare (with --speculative=mtp) answers "does MTP pay on this model?" in the same run: MTP off and
 MTP are each warmed up (compilation excluded), then --repeats interleaved rounds (off, MTP, off, MTP,
 ...; experiments.timing) time both on the same prompt and length; it prints both decode tokens/s
-(median [min-max]), the ratio MTP / off, and whether the tokens are identical (they must be). The
+(median [min-max]), the ratio MTP / off, and whether the tokens are identical (they must be). With the
+chain, the tree of the same depth (--tree_nodes, default 8) is timed in the same rounds and printed
+beside it (--nocompare_tree: not). --loop picks the device loop (default) or the host loop. The
 text and stats shown are those of the first timed MTP run. With --json the object gets "compare".
 """
 
@@ -65,6 +67,8 @@ flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
                   "rounds in this run; print both decode tok/s and the ratio.")
+flags.DEFINE_bool("compare_tree", True, "With --compare and --speculative=mtp: also time the tree of depth "
+                  "--draft_tokens (--tree_nodes, default 8 nodes) in the same rounds.")
 flags.DEFINE_integer("repeats", 5, "Timed rounds of each mode for --compare (median and min/max reported).",
                      lower_bound=1)
 
@@ -95,8 +99,9 @@ def main(argv) -> int:
         sampling["loop"] = FLAGS.loop
         if FLAGS.speculative == "mtp_tree":
             spec.update(tree_nodes=FLAGS.tree_nodes, max_snapshot_bytes=FLAGS.max_snapshot_bytes)
-        elif FLAGS.tree_nodes is not None or FLAGS.max_snapshot_bytes is not None:
-            raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree")
+        elif (FLAGS.tree_nodes is not None and not FLAGS.compare) or FLAGS.max_snapshot_bytes is not None:
+            raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree (or --compare: "
+                                "--tree_nodes of the tree timed beside the chain)")
         if FLAGS.compare:
             out, compare = _compare(engine, sampling, spec)
         else:
@@ -164,24 +169,38 @@ def _start_devices() -> dict:
 
 
 def _compare(engine, sampling: dict, spec: dict):
-    """(the first timed MTP output, the comparison dict): MTP off and MTP warm, interleaved rounds."""
+    """(the first timed MTP output, the comparison dict): MTP off and MTP warm, interleaved rounds; with
+    the chain (--speculative=mtp) and --compare_tree, the tree of depth draft_tokens (--tree_nodes, else
+    8 nodes) as a third mode."""
     from experiments.timing import interleaved, put_spread
 
     modes = [dict(speculative=None), spec]
+    tree = spec["speculative"] == "mtp" and FLAGS.compare_tree
+    if tree:
+        modes.append(dict(spec, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes or max(8, spec["draft_tokens"])))
     quiet = FLAGS.json
 
     def run(kw):
         return engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **kw)
 
-    results = interleaved(modes, run, FLAGS.repeats, what="modes (MTP off, MTP)",
+    names = "MTP off, MTP" + (", MTP tree" if tree else "")
+    results = interleaved(modes, run, FLAGS.repeats, what=f"modes ({names})",
                           log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
-    off, mtp = results
+    off, mtp = results[:2]
     cmp = {"repeats": FLAGS.repeats, "draft_tokens": spec["draft_tokens"], "verify": spec["verify"],
-           "generated_tokens": len(mtp[0].tokens),
+           "loop": mtp[0].stats["loop"], "off_loop": off[0].stats["loop"], "generated_tokens": len(mtp[0].tokens),
            "same_tokens": all(o.tokens == off[0].tokens for o in off + mtp)}
     put_spread(cmp, "off_decode_tok_s", [o.stats["decode_tok_s"] for o in off])
     put_spread(cmp, "mtp_decode_tok_s", [o.stats["decode_tok_s"] for o in mtp])
     cmp["speedup"] = cmp["mtp_decode_tok_s"] / cmp["off_decode_tok_s"]
+    if tree:
+        t = results[2]
+        cmp["tree"] = {"tree_nodes": t[0].stats["tree_nodes"], "loop": t[0].stats["loop"],
+                       "mean_accept_len": t[0].stats["mean_accept_len"],
+                       "same_tokens": all(o.tokens == off[0].tokens for o in t)}
+        put_spread(cmp["tree"], "decode_tok_s", [o.stats["decode_tok_s"] for o in t])
+        cmp["tree"]["vs_chain"] = cmp["tree"]["decode_tok_s"] / cmp["mtp_decode_tok_s"]
+        cmp["tree"]["vs_off"] = cmp["tree"]["decode_tok_s"] / cmp["off_decode_tok_s"]
     return mtp[0], cmp
 
 
@@ -193,10 +212,19 @@ def _compare_line(c: dict) -> str:
                + ("" if faster else " (speculation pays only where a trunk pass costs much more than a draft step)"))
     if not (c["mtp_decode_tok_s_min"] > c["off_decode_tok_s_max"] or c["mtp_decode_tok_s_max"] < c["off_decode_tok_s_min"]):
         verdict += ", though the two ranges overlap: within this run's noise"
-    return (f"[compare (warm, median [min-max] of {c['repeats']} interleaved rounds, {c['generated_tokens']} tokens): "
-            f"MTP off {fmt_spread(c['off_decode_tok_s_runs'])} decode tok/s; MTP k={c['draft_tokens']} "
+    loops = c["loop"] if c["loop"] == c["off_loop"] else f"MTP off: {c['off_loop']}, MTP: {c['loop']}"
+    line = (f"[compare (warm, median [min-max] of {c['repeats']} interleaved rounds, {c['generated_tokens']} tokens, "
+            f"{loops} loop): MTP off {fmt_spread(c['off_decode_tok_s_runs'])} decode tok/s; MTP k={c['draft_tokens']} "
             f"({c['verify']} verify) {fmt_spread(c['mtp_decode_tok_s_runs'])} decode tok/s; "
             f"MTP / off = {c['speedup']:.2f}x: {verdict}; same tokens: {'yes' if c['same_tokens'] else 'NO'}]")
+    t = c.get("tree")
+    if t:
+        best = "the tree" if t["vs_chain"] > 1.0 else "the chain"
+        line += (f"\n[compare tree (depth {c['draft_tokens']}, {t['tree_nodes']} nodes, {t['loop']} loop): "
+                 f"{fmt_spread(t['decode_tok_s_runs'])} decode tok/s, {t['mean_accept_len']:.2f} tokens per trunk "
+                 f"pass; tree / chain = {t['vs_chain']:.2f}x, tree / off = {t['vs_off']:.2f}x: {best} is faster "
+                 f"here; same tokens: {'yes' if t['same_tokens'] else 'NO'}]")
+    return line
 
 
 if __name__ == "__main__":
