@@ -26,6 +26,7 @@ from sharpi_jax.model import snapkv
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
+from sharpi_jax.runtime import draft_vocab
 from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
@@ -183,6 +184,7 @@ class Engine:
             if self.mesh is not None:
                 head = expert_parallelism.replicate_dense(head, self.mesh)
             self._mtp = MTPRuntime(head, self.max_context)
+            self._mtp.path = self.path
         return self._mtp
 
     def mtp_logits(self, ids: Sequence[int], zero_h_first: bool = False) -> np.ndarray:
@@ -211,12 +213,20 @@ class Engine:
         """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
         return expert_residency.calibrate(self, prompts, save)
 
+    def calibrate_draft_vocab(self, prompts: Sequence[Any], save: bool | str = True) -> dict[int, int]:
+        """Token counts over prompts (their ids and the model's greedy predictions), saved beside the file
+        (or in $SHARPI_CACHE) as the ranking of generate(draft_vocab=N) (`runtime.draft_vocab`)."""
+        counts = draft_vocab.calibrate(self, prompts, save)
+        if self._mtp is not None:
+            self._mtp.forget_draft_vocabs()
+        return counts
+
     def generate(self, ids_or_text: Any, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
                  tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
                  kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None, loop: str = "device") -> GenerateOutput:
+                 kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
 
         speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
@@ -246,6 +256,10 @@ class Engine:
         the sequential reference (same tokens bit for bit). verify="sequential" and speculative="mtp_tree"
         run the host loop either way. out.stats["loop"] names the loop that ran; the device loop reports
         no draft_s / verify_s split.
+
+        draft_vocab=N (speculative="mtp"): the MTP head drafts over the N best-ranked token ids only (the
+        ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
+        uses the full head, so the tokens are unchanged. out.stats["draft_vocab"] = N.
         """
         if speculative not in SPECULATIVE_MODES:
             raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
@@ -262,6 +276,9 @@ class Engine:
         for name, v in (("tree_nodes", tree_nodes), ("max_snapshot_bytes", max_snapshot_bytes)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise InputError(f"{name} must be a positive integer, got {v!r}")
+        if draft_vocab is not None and speculative != "mtp":
+            raise InputError("draft_vocab applies to speculative='mtp' (the chain) only")
+        vocab = self.mtp.draft_vocab(draft_vocab) if draft_vocab is not None else None
         kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
         if speculative == "mtp_tree" and kv is not None:
             raise InputError("speculative='mtp_tree' over a SnapKV-evicted cache is not supported yet: use "
@@ -273,10 +290,10 @@ class Engine:
         device = loop == "device"
         if speculative == "mtp" and device and verify == "batched":
             tokens, stats = generate_mtp_device(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                                int(draft_tokens), kv=kv)
+                                                int(draft_tokens), kv=kv, vocab=vocab)
         elif speculative == "mtp":
             tokens, stats = generate_mtp(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                         int(draft_tokens), verify, kv=kv)
+                                         int(draft_tokens), verify, kv=kv, vocab=vocab)
         elif speculative == "mtp_tree":
             nodes = max(DEFAULT_TREE_NODES, int(draft_tokens)) if tree_nodes is None else int(tree_nodes)
             tokens, stats = generate_tree(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,

@@ -26,6 +26,7 @@ import numpy as np
 
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction
+from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, argmax, draw, traced_params
 from sharpi_jax.runtime.speculative import MTPDecoder, MTPRuntime, pass_stats_from_counts
@@ -116,7 +117,7 @@ def _chain_fn(commit_verify, draft):
     """The jitted MTP chain loop over one model graph's `commit_verify` and one head's `draft`."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, mtp_off, k, max_new, max_context,
-            slot_room, eos, sampling, out, K, greedy):
+            slot_room, eos, sampling, out, vocab, K, greedy):
         pick = _picker(greedy, sampling)
         D = h_last.shape[0]
         tok = pick(logits, jnp.int32(0))
@@ -139,7 +140,7 @@ def _chain_fn(commit_verify, draft):
             toks = jnp.concatenate([jnp.where(rows < c["n_pend"], c["vt"], 0), jnp.zeros((1,), jnp.int32)])
             toks = toks.at[c["n_pend"]].set(c["t"])
             vtokens, mtp_cache, h_t = draft(mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"],
-                                            c["pend_start"] - mtp_off, c["n_pend"] + 1, jnp.maximum(n_draft, 1))
+                                            c["pend_start"] - mtp_off, c["n_pend"] + 1, jnp.maximum(n_draft, 1), vocab)
             logits, greedy_rows, hidden, state, snaps, cache = commit_verify(
                 params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
             if greedy:
@@ -179,14 +180,14 @@ def _chain_fn(commit_verify, draft):
 
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                         sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
-                        kv: SnapKV | None = None, mtp_kv: str = "snapkv",
-                        zero_h_first: bool = False) -> tuple[list[int], dict[str, Any]]:
+                        kv: SnapKV | None = None, mtp_kv: str = "snapkv", zero_h_first: bool = False,
+                        vocab: DraftVocab | None = None) -> tuple[list[int], dict[str, Any]]:
     """`speculative.generate_mtp` with batched verify (same arguments, tokens and stats except draft_s /
     verify_s, which one device program cannot split; plus loop="device") with every pass on the device."""
     t0 = time.perf_counter()
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
     dec = MTPDecoder(runtime, mtp, draft_tokens, "batched", zero_h_first=zero_h_first, kv=kv, kv_capacity=capacity,
-                     mtp_kv=mtp_kv)
+                     mtp_kv=mtp_kv, vocab=vocab)
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     K, P = dec.K, dec.P
@@ -201,7 +202,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec._h_prev, np.int32(P),
             np.int32(dec._mtp_off), np.int32(dec.k), np.int32(max_new_tokens),
             np.int32(runtime.max_context), np.int32(slot_room), _eos_array(stop_ids), traced_params(sampling),
-            np.zeros(out_slots(max_new_tokens, K), np.int32), K=K, greedy=sampling.greedy)
+            np.zeros(out_slots(max_new_tokens, K), np.int32), vocab, K=K, greedy=sampling.greedy)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
         tokens, stop, P = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)], int(P)
     t2 = time.perf_counter()
@@ -210,6 +211,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         "speculative": "mtp",
         "draft_tokens": dec.k,
         "verify": "batched",
+        "draft_vocab": None if vocab is None else vocab.size,
         **pass_stats_from_counts(dec.k, counts),
         **kv_eviction.kv_stats(dec.evicted, P, runtime.max_context),
         "loop": "device",
