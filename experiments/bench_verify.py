@@ -48,6 +48,10 @@ flags.DEFINE_list("tree_nodes", ["8"], "Tree speculation rows: draft nodes per p
                   "(batched verify; empty: no tree rows).")
 flags.DEFINE_list("pass_widths", [], "Rows w of the single-pass timing (chain and tree pass vs one decode step).")
 flags.DEFINE_bool("pass_only", False, "Only the single-pass timing (--pass_widths), no generation runs.")
+flags.DEFINE_list("draft_vocab", [], "Draft vocabulary sizes N: time one MTP draft step over the N best-ranked ids "
+                  "against the full head, and (unless --draft_step_only) run the chain k with draft_vocab=N on the "
+                  "device loop, acceptance beside the full head's.")
+flags.DEFINE_bool("draft_step_only", False, "Only the draft-step timing of --draft_vocab (for big files).")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
                     "(optional).")
@@ -118,7 +122,10 @@ def main(argv) -> int:
         timing = pass_timing(engine, ids, widths, FLAGS.repeats)
         print_pass_timing(timing, f"{path.name}, {len(ids)}-token context, {FLAGS.repeats} calls each")
         records += [{"model": path.stem, "pass_timing": True, **r} for r in timing]
-    if FLAGS.pass_only:
+    vocabs = [int(v) for v in FLAGS.draft_vocab]
+    if vocabs:
+        records += _draft_step_timing(engine, ids, vocabs, path)
+    if FLAGS.pass_only or FLAGS.draft_step_only:
         _write(records, 0)
         return 0
     n = FLAGS.new_tokens
@@ -134,6 +141,9 @@ def main(argv) -> int:
                     dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device")]
     trees = [(k, m) for k in ks for m in nodes if m >= k]
     configs += [dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m, verify="batched") for k, m in trees]
+    dv_first = len(configs)
+    configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_vocab=v)
+                for k in ks for v in vocabs]
 
     def run(kw):
         return engine.generate(ids, max_new_tokens=n, stop_on_eos=False, **kw)
@@ -193,6 +203,8 @@ def main(argv) -> int:
           "vs trunk seconds of the host-loop batched run (median).")
     if trees:
         _tree_rows(path, trees, ks, results, tok_s, med, records)
+    if vocabs:
+        _draft_vocab_rows(path, ks, vocabs, configs, dv_first, results, tok_s, med, records)
     lc_off, lc_mtp = _llama_cpp(path, ids, prompt_text, ks, n)
     if lc_off is not None or lc_mtp:
         _print_llama_cpp(off_dev, rows, lc_off, lc_mtp)
@@ -239,6 +251,66 @@ def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
               f"{rec['verify_s']:>8.3f}  {'yes' if same else 'NO'}")
     print("tree rows: batched tree verify with `nodes` draft nodes of depth <= k; tree/chain: over the chain's "
           "batched verify at the same k; tok/pass: accepted + 1 per trunk pass.")
+
+
+def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]:
+    """One MTP draft step (the catch-up row of the certain token and one draft: the MTP block and the
+    draft LM head) at the prompt's end, full head vs each draft vocabulary, interleaved calls."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from sharpi_jax.runtime.speculative import MTPDecoder
+
+    dec = MTPDecoder(engine.runtime, engine.mtp, 1)
+    dec.prefill(ids)
+    mtp, cache = engine.mtp, dec.cache
+    toks = np.zeros(3, np.int32)
+    toks[0] = ids[-1]
+    hidden = jax.numpy.zeros((2, engine.config.d_model), jax.numpy.float32)
+    heads = [None] + [mtp.draft_vocab(v) for v in vocabs]  # gathered once, before any timing
+    times: list[list[float]] = [[] for _ in heads]
+    for r in range(FLAGS.repeats + 1):
+        for i, vocab in enumerate(heads):
+            t0 = time.perf_counter()
+            out, cache, _ = mtp.draft(cache, toks, dec._h_prev, hidden, len(ids) - 1, 1, 1, vocab)
+            out.block_until_ready()
+            if r:  # round 0 compiles
+                times[i].append(1e3 * (time.perf_counter() - t0))
+    full = spread(times[0])["median"]
+    print(f"\none MTP draft step ({path.name}, median [min-max] ms of {FLAGS.repeats} interleaved calls): "
+          f"full head ({engine.config.n_vocab} ids) {fmt_spread(times[0], digits=3)}")
+    recs = [put_spread({"model": path.stem, "draft_step": True, "draft_vocab": None}, "draft_step_ms", times[0])]
+    for v, t in zip(vocabs, times[1:]):
+        ratio = spread(t)["median"] / full
+        print(f"  draft_vocab={v}: {fmt_spread(t, digits=3)} ms, {ratio:.2f}x the full head's step")
+        recs.append(put_spread({"model": path.stem, "draft_step": True, "draft_vocab": v, "vs_full": ratio},
+                               "draft_step_ms", t))
+    return recs
+
+
+def _draft_vocab_rows(path: Path, ks, vocabs, configs, first, results, tok_s, med, records) -> None:
+    """Chain k with each draft vocabulary on the device loop, beside the full head's device-loop row."""
+    base = results[0][0]
+    print(f"\n{'k':>2} {'draft_vocab':>11} {'tok/s [min-max]':>24} {'vs full':>7} {'accept':>7} {'full accept':>11} "
+          f"{'tok/pass':>8}  same tokens")
+    for j in range(first, len(configs)):
+        k, v = configs[j]["draft_tokens"], configs[j]["draft_vocab"]
+        full_i = 2 + 3 * ks.index(k) + 2  # the full head's device-loop chain row
+        s, fs = results[j][0].stats, results[full_i][0].stats
+        same = all(o.tokens == base.tokens for o in results[j])
+        rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": "batched", "loop": "device",
+               "draft_vocab": v, "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+               "full_acceptance_rate": fs["acceptance_rate"],
+               **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted",
+                                          "accepted", "verify_passes", "generated_tokens")}}
+        put_spread(rec, "decode_tok_s", tok_s[j])
+        records.append(rec)
+        print(f"{k:>2} {v:>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>7.2f} {s['acceptance_rate']:>7.1%} "
+              f"{fs['acceptance_rate']:>11.1%} {s['mean_accept_len']:>8.2f}  {'yes' if same else 'NO'}")
+    print("draft_vocab rows: device loop; vs full: tok/s over the full head's device-loop chain at the same k; "
+          "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
 
 
 def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> None:
