@@ -19,6 +19,7 @@ text and stats shown are those of the first timed MTP run. With --json the objec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -84,6 +85,7 @@ def main(argv) -> int:
     compare = None
     parallel_info = _start_devices()
     try:
+        opts = _options()  # validated before the model loads
         budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
                                                               expert_policy=FLAGS.expert_policy)
         if FLAGS.expert_parallel is not None:
@@ -93,21 +95,12 @@ def main(argv) -> int:
         engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget, **kv)
         if engine.mesh is not None:
             parallel_info["devices"] = [str(d) for d in engine.mesh.devices.flat]
-        sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
-                        seed=FLAGS.seed, stop_on_eos=FLAGS.stop_on_eos)
-        spec = dict(speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
-        sampling["loop"] = FLAGS.loop
-        if FLAGS.speculative == "mtp_tree":
-            spec.update(tree_nodes=FLAGS.tree_nodes, max_snapshot_bytes=FLAGS.max_snapshot_bytes)
-        elif (FLAGS.tree_nodes is not None and not FLAGS.compare) or FLAGS.max_snapshot_bytes is not None:
-            raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree (or --compare: "
-                                "--tree_nodes of the tree timed beside the chain)")
         if FLAGS.compare:
-            out, compare = _compare(engine, sampling, spec)
+            out, compare = _compare(engine, opts)
         else:
             if FLAGS.warmup:
-                engine.generate(FLAGS.prompt, max_new_tokens=2, temperature=FLAGS.temperature, loop=FLAGS.loop, **spec)
-            out = engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **spec)
+                engine.generate_with(FLAGS.prompt, dataclasses.replace(opts, max_new_tokens=2), engine.kv_policy)
+            out = engine.generate_with(FLAGS.prompt, opts, engine.kv_policy)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -150,6 +143,24 @@ def main(argv) -> int:
     return 0
 
 
+def _options():
+    """The flags' `GenerateOptions` (one validated object, as `Engine.generate` builds)."""
+    import sharpi_jax as sj
+    from sharpi_jax.runtime.options import GenerateOptions
+    from sharpi_jax.runtime.sampling import SamplingParams
+
+    tree = FLAGS.speculative == "mtp_tree"
+    if not tree and ((FLAGS.tree_nodes is not None and not FLAGS.compare) or FLAGS.max_snapshot_bytes is not None):
+        raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree (or --compare: "
+                            "--tree_nodes of the tree timed beside the chain)")
+    return GenerateOptions(
+        max_new_tokens=FLAGS.max_new_tokens, stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
+        draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify, loop=FLAGS.loop,
+        tree_nodes=FLAGS.tree_nodes if tree else None, max_snapshot_bytes=FLAGS.max_snapshot_bytes if tree else None,
+        sampling=SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                                min_p=FLAGS.min_p, seed=FLAGS.seed))
+
+
 def _start_devices() -> dict:
     """Before jax starts: join the multi-host job (--coordinator_address) and, for --expert_parallel on
     CPU, ask XLA for that many host devices. Returns what --json reports about it."""
@@ -168,26 +179,26 @@ def _start_devices() -> dict:
     return info
 
 
-def _compare(engine, sampling: dict, spec: dict):
+def _compare(engine, opts):
     """(the first timed MTP output, the comparison dict): MTP off and MTP warm, interleaved rounds; with
     the chain (--speculative=mtp) and --compare_tree, the tree of depth draft_tokens (--tree_nodes, else
     8 nodes) as a third mode."""
     from experiments.timing import interleaved, put_spread
 
-    modes = [dict(speculative=None), spec]
-    tree = spec["speculative"] == "mtp" and FLAGS.compare_tree
+    modes = [dataclasses.replace(opts, speculative=None), opts]
+    tree = opts.speculative == "mtp" and FLAGS.compare_tree
     if tree:
-        modes.append(dict(spec, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes or max(8, spec["draft_tokens"])))
+        modes.append(dataclasses.replace(opts, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes))
     quiet = FLAGS.json
 
-    def run(kw):
-        return engine.generate(FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, **sampling, **kw)
+    def run(o):
+        return engine.generate_with(FLAGS.prompt, o, engine.kv_policy)
 
     names = "MTP off, MTP" + (", MTP tree" if tree else "")
     results = interleaved(modes, run, FLAGS.repeats, what=f"modes ({names})",
                           log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
     off, mtp = results[:2]
-    cmp = {"repeats": FLAGS.repeats, "draft_tokens": spec["draft_tokens"], "verify": spec["verify"],
+    cmp = {"repeats": FLAGS.repeats, "draft_tokens": opts.draft_tokens, "verify": opts.verify,
            "loop": mtp[0].stats["loop"], "off_loop": off[0].stats["loop"], "generated_tokens": len(mtp[0].tokens),
            "same_tokens": all(o.tokens == off[0].tokens for o in off + mtp)}
     put_spread(cmp, "off_decode_tok_s", [o.stats["decode_tok_s"] for o in off])

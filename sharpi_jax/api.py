@@ -29,15 +29,12 @@ from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime import draft_vocab
 from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
+from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.tree import generate_tree
 
-SPECULATIVE_MODES = (None, "mtp", "mtp_tree")
-DEFAULT_TREE_NODES = 8
-VERIFY_MODES = ("batched", "sequential")
-LOOPS = ("device", "host")
 
 
 def _check_dtype(dtype: Any) -> None:
@@ -261,47 +258,39 @@ class Engine:
         ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
         uses the full head, so the tokens are unchanged. out.stats["draft_vocab"] = N.
         """
-        if speculative not in SPECULATIVE_MODES:
-            raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
-        if verify not in VERIFY_MODES:
-            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        if loop not in LOOPS:
-            raise InputError(f"loop must be one of {LOOPS}, got {loop!r}")
-        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) or draft_tokens < 1:
-            raise InputError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-        if speculative != "mtp_tree" and (tree_nodes is not None or max_snapshot_bytes is not None):
-            raise InputError("tree_nodes and max_snapshot_bytes apply to speculative='mtp_tree' only")
-        for name, v in (("tree_nodes", tree_nodes), ("max_snapshot_bytes", max_snapshot_bytes)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise InputError(f"{name} must be a positive integer, got {v!r}")
-        if draft_vocab is not None and speculative != "mtp":
-            raise InputError("draft_vocab applies to speculative='mtp' (the chain) only")
-        vocab = self.mtp.draft_vocab(draft_vocab) if draft_vocab is not None else None
+        opts = GenerateOptions(
+            max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, speculative=speculative,
+            draft_tokens=draft_tokens, verify=verify, tree_nodes=tree_nodes, max_snapshot_bytes=max_snapshot_bytes,
+            loop=loop, draft_vocab=draft_vocab,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
-        if speculative == "mtp_tree" and kv is not None:
+        return self.generate_with(ids_or_text, opts, kv)
+
+    def generate_with(self, ids_or_text: Any, opts: GenerateOptions, kv: SnapKV | None = None) -> GenerateOutput:
+        """`generate` with its options as one validated `GenerateOptions` (the CLI builds one) and the KV
+        eviction policy resolved (None: none)."""
+        if not isinstance(opts, GenerateOptions):
+            raise InputError(f"options must be a GenerateOptions, got {type(opts).__name__}")
+        if opts.speculative == "mtp_tree" and kv is not None:
             raise InputError("speculative='mtp_tree' over a SnapKV-evicted cache is not supported yet: use "
                              "speculative='mtp' with kv_policy='snapkv', or mtp_tree without eviction")
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        vocab = self.mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
+        sampling, n, k = opts.sampling, int(opts.max_new_tokens), int(opts.draft_tokens)
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
-        stop_ids = self.tokenizer.eog_ids if stop_on_eos else ()
-        device = loop == "device"
-        if speculative == "mtp" and device and verify == "batched":
-            tokens, stats = generate_mtp_device(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                                int(draft_tokens), kv=kv, vocab=vocab)
-        elif speculative == "mtp":
-            tokens, stats = generate_mtp(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                         int(draft_tokens), verify, kv=kv, vocab=vocab)
-        elif speculative == "mtp_tree":
-            nodes = max(DEFAULT_TREE_NODES, int(draft_tokens)) if tree_nodes is None else int(tree_nodes)
-            tokens, stats = generate_tree(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                          int(draft_tokens), nodes, verify, max_snapshot_bytes=max_snapshot_bytes)
-        elif device:
-            tokens, stats = generate_ids_device(self.runtime, ids, int(max_new_tokens), sampling, stop_ids, kv)
+        stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
+        rt = self.runtime
+        if opts.speculative == "mtp" and opts.device_loop:
+            tokens, stats = generate_mtp_device(rt, self.mtp, ids, n, sampling, stop_ids, k, kv=kv, vocab=vocab)
+        elif opts.speculative == "mtp":
+            tokens, stats = generate_mtp(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.verify, kv=kv, vocab=vocab)
+        elif opts.speculative == "mtp_tree":
+            tokens, stats = generate_tree(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes, opts.verify,
+                                          max_snapshot_bytes=opts.max_snapshot_bytes)
+        elif opts.device_loop:
+            tokens, stats = generate_ids_device(rt, ids, n, sampling, stop_ids, kv)
         else:
-            tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids, kv)
+            tokens, stats = generate_ids(rt, ids, n, sampling, stop_ids, kv)
         stats.setdefault("loop", "host")
         if self.residency is not None:
             stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))
