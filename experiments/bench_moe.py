@@ -27,11 +27,16 @@ import numpy as np
 from absl import app, flags
 
 from experiments.timing import interleaved, line_buffered, put_spread, spread
+from gguf import GGMLQuantizationType as Q
+
 from sharpi_jax.experts import dispatch
+from sharpi_jax.quant import MatrixFormat, kernel_names
+from sharpi_jax.testing.experts import expert_stacks, synthetic_expert_bytes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["1", "2", "4", "8", "16", "64", "256"], "Batch sizes N (rows routed together).")
-flags.DEFINE_enum("qtype", "q4_k", ["f32", "q8_0", "q4_k"], "Storage format of the expert weights.")
+flags.DEFINE_enum("qtype", "q4_k", ["f32", "q8_0", "q4_k"], "ggml type of the expert weights.")
+flags.DEFINE_string("kernels", "xla", f"Kernel backend the experts are laid out for and computed by ({', '.join(kernel_names())}).")
 flags.DEFINE_integer("n_expert", 256, "Experts in the layer.")
 flags.DEFINE_integer("top_k", 8, "Experts per token.")
 flags.DEFINE_integer("d_ff", 512, "Expert FFN width.")
@@ -68,12 +73,14 @@ def main(argv: Sequence[str]) -> None:
     rng = np.random.default_rng(FLAGS.seed)
     e, k, f, d = FLAGS.n_expert, FLAGS.top_k, FLAGS.d_ff, FLAGS.d_model
     t0 = time.perf_counter()
-    experts = dispatch.ExpertWeights.synthetic(rng, e, f, d, FLAGS.qtype).to_soa()
-    bpe = experts.bytes_per_expert
+    qtype = int(Q[FLAGS.qtype.upper()])
+    experts = expert_stacks(synthetic_expert_bytes(rng, e, f, d, qtype), qtype, MatrixFormat(FLAGS.kernels, None))
+    bpe = sum(m.gguf_nbytes for m in experts) // e
     print(f"layer: {e} experts x (gate, up [{f}x{d}], down [{d}x{f}]) {FLAGS.qtype}, top-{k}; "
           f"{bpe / 2**20:.3f} MiB per expert, {e * bpe / 2**30:.2f} GiB per layer "
           f"(built in {time.perf_counter() - t0:.1f}s)")
-    print(f"backend: {jax.default_backend()}, {jax.device_count()} device(s); row_kernel={FLAGS.row_kernel}; "
+    print(f"backend: {jax.default_backend()}, {jax.device_count()} device(s); kernels={experts[0].kernels} "
+          f"(layout {experts[0].layout}); row_kernel={FLAGS.row_kernel}; "
           f"per size: a warm-up call of each path, then the median of {FLAGS.repeats} interleaved calls "
           "(min/max in --json_out)", flush=True)
     bias = FLAGS.skew * rng.standard_normal(e)
@@ -125,7 +132,8 @@ def main(argv: Sequence[str]) -> None:
         if FLAGS.json_out:
             rec = {
                 "bench": "moe_dispatch", "n": n, "top_k": k, "n_expert": e, "d_ff": f, "d_model": d,
-                "qtype": FLAGS.qtype, "row_kernel": FLAGS.row_kernel, "row_tiles": list(tiles),
+                "qtype": FLAGS.qtype, "kernels": experts[0].kernels, "row_kernel": FLAGS.row_kernel,
+                "row_tiles": list(tiles),
                 "unique_experts": stats["unique_experts"], "max_rows_per_expert": stats["max_rows_per_expert"],
                 "bytes_per_token": bytes_pt, "bytes_grouped": bytes_gr, "bytes_floor": stats["bytes_grouped"],
                 # the fields experiments.plot draws expert_reads_vs_batch.png from (bytes read per routed token)

@@ -25,7 +25,7 @@ import sys
 
 from absl import app, flags, logging
 
-from sharpi_jax.errors import SharpiError
+from sharpi_jax.errors import InputError, SharpiError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("gguf", None, "GGUF model file (default: the embedded default model).")
@@ -64,6 +64,11 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0: call j
                     "first (multi-host expert parallelism; every process runs the same command).")
 flags.DEFINE_integer("num_processes", None, "With --coordinator_address: the number of processes.")
 flags.DEFINE_integer("process_id", None, "With --coordinator_address: this process's index (0 prints).")
+flags.DEFINE_bool("chat", False, "Treat --prompt as a user message: render it (after --system) with the GGUF's chat "
+                  "template and generate from the result's token ids.")
+flags.DEFINE_string("system", None, "With --chat: a system message before the user message.")
+flags.DEFINE_bool("enable_thinking", None, "With --chat: the template's thinking switch (Qwen3.5: "
+                  "--noenable_thinking closes an empty <think> block); unset: the template's default.")
 flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
@@ -99,8 +104,8 @@ def main(argv) -> int:
             out, compare = _compare(engine, opts)
         else:
             if FLAGS.warmup:
-                engine.generate_with(FLAGS.prompt, dataclasses.replace(opts, max_new_tokens=2), engine.kv_policy)
-            out = engine.generate_with(FLAGS.prompt, opts, engine.kv_policy)
+                engine.generate_with(_prompt(engine), dataclasses.replace(opts, max_new_tokens=2), engine.kv_policy)
+            out = engine.generate_with(_prompt(engine), opts, engine.kv_policy)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -110,7 +115,7 @@ def main(argv) -> int:
         print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats,
                           **({"compare": compare} if compare else {}), **parallel_info}))
     else:
-        print(FLAGS.prompt + out.text)
+        print((engine.tokenizer.decode(_prompt(engine)) if FLAGS.chat else FLAGS.prompt) + out.text)
         s = out.stats
         print(f"[{s['prompt_tokens']} prompt tokens, {s['prefill_tok_s']:.1f} tok/s prefill; "
               f"{s['generated_tokens']} generated, {s['decode_tok_s']:.1f} tok/s decode; "
@@ -161,6 +166,18 @@ def _options():
                                 min_p=FLAGS.min_p, seed=FLAGS.seed))
 
 
+def _prompt(engine):
+    """--prompt, or with --chat its token ids through the chat template (--system, --enable_thinking)."""
+    if not FLAGS.chat:
+        if FLAGS.system is not None or FLAGS.enable_thinking is not None:
+            raise InputError("--system / --enable_thinking need --chat")
+        return FLAGS.prompt
+    messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system is not None else []) + \
+        [{"role": "user", "content": FLAGS.prompt}]
+    thinking = {} if FLAGS.enable_thinking is None else {"enable_thinking": FLAGS.enable_thinking}
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **thinking)
+
+
 def _start_devices() -> dict:
     """Before jax starts: join the multi-host job (--coordinator_address) and, for --expert_parallel on
     CPU, ask XLA for that many host devices. Returns what --json reports about it."""
@@ -192,7 +209,7 @@ def _compare(engine, opts):
     quiet = FLAGS.json
 
     def run(o):
-        return engine.generate_with(FLAGS.prompt, o, engine.kv_policy)
+        return engine.generate_with(_prompt(engine), o, engine.kv_policy)
 
     names = "MTP off, MTP" + (", MTP tree" if tree else "")
     results = interleaved(modes, run, FLAGS.repeats, what=f"modes ({names})",

@@ -26,15 +26,55 @@ BENCH_TOOL = "llama-bench"
 
 
 def find_tool(llama_bin: str | None, name: str) -> Path | None:
-    """`name` in the directory `llama_bin` (or beside the binary `llama_bin`), or None."""
+    """`name` in the directory `llama_bin` (or beside the binary `llama_bin`), or None. A directory whose
+    shared-library symlinks were flattened into small text files naming their target (as copies that
+    do not keep links make them) is mirrored once into a temporary directory with real links."""
     if not llama_bin:
         return None
     base = Path(llama_bin).expanduser()
     for d in (base, base.parent) if base.is_file() else (base,):
         p = d / name
         if p.is_file():
-            return p
+            return _with_real_links(d) / name
     return None
+
+
+def _link_stub(p: Path) -> str | None:
+    """The target a flattened symlink names (a tiny text file holding a sibling's file name), else None."""
+    if p.is_symlink() or not p.is_file() or p.stat().st_size > 255 or ".so" not in p.name:
+        return None
+    text = p.read_bytes().strip()
+    try:
+        target = text.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return target if "/" not in target and (p.parent / target).exists() else None
+
+
+_MIRRORS: dict[Path, Path] = {}
+
+
+def _with_real_links(d: Path) -> Path:
+    """`d` itself, or a mirror of it with real symlinks where `d` holds flattened ones (see find_tool).
+    Executables are copied (the loader resolves $ORIGIN through symlinks); libraries are linked."""
+    d = d.resolve()
+    if not any(_link_stub(p) for p in d.iterdir()):
+        return d
+    if d not in _MIRRORS:
+        import os  # pylint: disable=import-outside-toplevel
+        import shutil  # pylint: disable=import-outside-toplevel
+        import tempfile  # pylint: disable=import-outside-toplevel
+        m = Path(tempfile.mkdtemp(prefix="llama-bin-"))
+        for p in d.iterdir():
+            stub = _link_stub(p)
+            if stub:
+                os.symlink(stub, m / p.name)
+            elif ".so" in p.name:
+                os.symlink(p, m / p.name)
+            else:
+                shutil.copy2(p, m / p.name)
+        _MIRRORS[d] = m
+    return _MIRRORS[d]
 
 
 def have_llama_cpp_python() -> bool:

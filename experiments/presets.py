@@ -18,6 +18,9 @@ from sharpi_jax.testing import write_synthetic_gguf
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_FILE = REPO_ROOT / "configs" / "models.json"
 FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
+# Held-out Python text for routing experiments: this repository's sources (not in the stdlib training corpus).
+HELD_OUT_SOURCES = ("sharpi_jax/api.py", "sharpi_jax/experts/residency/plan.py", "sharpi_jax/runtime/speculative.py",
+                    "sharpi_jax/gguf/reader.py", "sharpi_jax/model/gated_delta_net.py", "sharpi_jax/quant/qtensor.py")
 
 
 def cache_dir() -> Path:
@@ -47,6 +50,10 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
         return default_model_path()
     if "gguf" in spec:
         return resolve_model(spec["gguf"])
+    if spec.get("trained") == "research":
+        from experiments.research_model import research_model_path
+
+        return research_model_path()
     if "fixture" in spec:
         p = FIXTURES_DIR / spec["fixture"]
         if not p.exists():
@@ -63,7 +70,7 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
                                  name=name)
             tmp.rename(p)
         return p
-    raise InputError(f"preset {name!r} in {MODELS_FILE} has no embedded/fixture/synthetic/gguf entry")
+    raise InputError(f"preset {name!r} in {MODELS_FILE} has no embedded/fixture/synthetic/gguf/trained entry")
 
 
 def release_compiled_code() -> None:

@@ -4,7 +4,9 @@
     python -m experiments.write_synthetic --preset=tiny --qtype=Q8_0 --out=/tmp/tiny.gguf
 
 Presets (sharpi_jax.config.SHAPE_PRESETS): `tiny` (the fixtures' shapes), `qwen36-35b-a3b` (the real
-35B-A3B MoE shapes), `qwen35-27b` (the dense 27B shapes), each with --n_layer trunk layers + MTP block. Synthetic models are never used for correctness.
+35B-A3B MoE shapes), `qwen35-27b` (the dense 27B shapes), `qwen35-122b-a10b` and `qwen35-397b-a17b`
+(the large MoE members' published shapes; sources in configs/models.json), each with --n_layer trunk
+layers + MTP block. Synthetic models are never used for correctness.
 """
 
 from __future__ import annotations

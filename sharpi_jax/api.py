@@ -9,13 +9,15 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import parallel as expert_parallelism
 from sharpi_jax.experts import residency as expert_residency
@@ -62,6 +64,17 @@ def _kv_policy(kv_policy: Any, kv_budget: Any, kv_window: Any, kv_pool: Any, bas
     return snapkv.policy(kv_policy, kv_budget, kv_window, kv_pool)
 
 
+
+def _say_if_ggml_missing(asked: str, resolved: str) -> None:
+    """kernels="auto" on CPU without ggml's native extension runs "xla", and says why once, with the
+    fix ("ggml" asked by name raises that line instead: `registry.resolve_kernels`)."""
+    from sharpi_jax.quant import ggml  # pylint: disable=import-outside-toplevel
+
+    if asked == "auto" and resolved != "ggml" and jax.default_backend() == "cpu" and not ggml.available():
+        warnings.warn(f"ggml CPU kernels unavailable, running kernels={resolved!r} (slower): "
+                      f"{ggml.unavailable_reason()}", stacklevel=3)
+
+
 class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""
 
@@ -92,11 +105,10 @@ class Engine:
                                                     **residency_options)
         run = self.run_config
         self.matrix_format = MatrixFormat(resolve_kernels(run.kernels), run.repack)
-        if self.matrix_format.backend == "pallas":
-            if expert_budget is not None:
-                raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
-                                 "grouped kernel reads whole expert stacks (use kernels='xla')")
-            run = self.run_config = run.replace(expert_mode=PALLAS_EXPERT_MODE)
+        _say_if_ggml_missing(run.kernels, self.matrix_format.backend)
+        if self.matrix_format.backend == "pallas" and expert_budget is not None:
+            raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
+                             "grouped kernel reads whole expert stacks (use kernels='xla')")
         self.mesh = None  # the expert-parallel Mesh (expert_parallel=N), else one device
         if expert_parallel is not None:
             n = expert_parallelism.check_expert_parallel(expert_parallel, self.config, expert_budget=expert_budget)
@@ -156,6 +168,22 @@ class Engine:
             ids = self.tokenizer.encode(ids_or_text)
             return self.check_ids(ids)
         return self.check_ids(ids_or_text)
+
+    def _chat_ids(self, ids_or_text: Any, messages: Any, enable_thinking: bool | None,
+                  chat_template_kwargs: Mapping[str, Any] | None) -> Any:
+        """The prompt: `ids_or_text`, or the token ids of `messages` rendered by the chat template."""
+        if messages is None:
+            if enable_thinking is not None or chat_template_kwargs is not None:
+                raise InputError("enable_thinking and chat_template_kwargs apply to messages=[...] only")
+            if ids_or_text is None:
+                raise InputError("generate needs a prompt (text or token ids) or messages=[...]")
+            return ids_or_text
+        if ids_or_text is not None:
+            raise InputError("give either a prompt or messages=[...], not both")
+        options = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            options["enable_thinking"] = bool(enable_thinking)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
 
     # ----- forward -----
     def forward(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -218,13 +246,20 @@ class Engine:
             self._mtp.forget_draft_vocabs()
         return counts
 
-    def generate(self, ids_or_text: Any, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+    def generate(self, ids_or_text: Any = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
                  tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
                  kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None) -> GenerateOutput:
+                 kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None, *,
+                 messages: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
+
+        messages=[{"role": ..., "content": ...}, ...] instead of a prompt: the chat rendered by the file's
+        chat template with the generation prompt (`tokenizer.apply_chat_template`, special tokens parsed),
+        then generated from as token ids. enable_thinking (Qwen3.5's switch) and chat_template_kwargs
+        are passed to the template as variables.
 
         speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
         in one pass ("batched") or token by token ("sequential", the reference). The tokens are exactly
@@ -264,7 +299,8 @@ class Engine:
             loop=loop, draft_vocab=draft_vocab,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
-        return self.generate_with(ids_or_text, opts, kv)
+        return self.generate_with(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs),
+                                  opts, kv)
 
     def generate_with(self, ids_or_text: Any, opts: GenerateOptions, kv: SnapKV | None = None) -> GenerateOutput:
         """`generate` with its options as one validated `GenerateOptions` (the CLI builds one) and the KV
@@ -306,7 +342,9 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     model runs) and its fields as single options, which override it: prefill_buckets (prefill chunk
     sizes, each compiled once), expert_mode ("grouped" | "per_token" routed-expert dispatch; bitwise
     equal), row_kernel ("gemm" | "gemv"), gdn_chunk, kernels ("auto" | "xla" |
-    "pallas" | "reference": the matmul backend, "auto" = Pallas on a GPU, XLA elsewhere), repack
+    "pallas" | "reference" | any name registered in `sharpi_jax.quant.registry`: the kernel backend of
+    every matrix and routed-expert stack, "auto" = the best-ranked for the platform, Pallas on a GPU,
+    XLA elsewhere), repack
     ("auto": on XLA:CPU quantized matrices of >= 4M weights are repacked to int8 rows, lossy, 1 B/weight:
     the fast CPU path for an LM head; None: every matrix in its GGUF encoding, exact; "int8": all
     quantized matrices repacked); progress (tqdm bar; default: files >= 256 MiB),

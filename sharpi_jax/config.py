@@ -17,10 +17,9 @@ from sharpi_jax.errors import GGUFError, InputError, UnsupportedArchitectureErro
 
 SUPPORTED_ARCHITECTURES = ("qwen35moe", "qwen35", "qwen3next")
 EXPERT_MODES = ("grouped", "per_token")  # bitwise equal per row; grouped reads each expert once per batch
-PALLAS_EXPERT_MODE = "pallas"  # set by kernels="pallas": the Pallas grouped-matmul + weighted-reduce kernels
 ROW_KERNELS = ("gemm", "gemv")
-KERNELS = ("auto", "xla", "pallas", "reference")  # matmul backends (sharpi_jax.quant.matmul)
-REPACKS = (None, "int8", "auto")  # explicit matrix repackings (sharpi_jax.quant.matmul.weight_layout)
+# Kernel backends ("auto" or a name registered in sharpi_jax.quant.registry) are checked at load.
+REPACKS = (None, "int8", "auto")  # explicit matrix repackings (a backend's `layout`, sharpi_jax.quant)
 # Prefill chunk sizes: a 128-token prompt runs as one 128-row chunk, not as a half-padding 256-row one.
 DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
 DEFAULT_GDN_CHUNK = 64
@@ -43,8 +42,9 @@ class RunConfig:
     gdn_solve: how that form solves its unit lower-triangular system per chunk: "substitution" (row by
         row in a loop; inference) or "inverse" (the inverse as a product of matrix powers: all
         matmuls, much cheaper to differentiate; training). Equal up to float rounding.
-    kernels: the matmul backend, "auto" (Pallas on a GPU, XLA elsewhere), "xla", "pallas" (then the
-        routed experts use the Pallas kernels too) or "reference" (exact dequantization + f32 dot).
+    kernels: the kernel backend of every matrix and routed-expert stack: "auto" (the best-ranked for
+        the platform: Pallas on a GPU, XLA elsewhere) or a registered name, "xla", "pallas" or "reference"
+        (exact dequantization + f32 dot); see `sharpi_jax.quant.registry` (checked at load).
     repack: explicit repacking of quantized matrices on XLA: "auto" (int8 rows for matrices of >= 4M
         weights), None (every matrix in its GGUF encoding) or "int8" (all); see sharpi_jax.quant.
     """
@@ -58,10 +58,10 @@ class RunConfig:
     repack: str | None = "auto"
 
     def __post_init__(self) -> None:
-        if self.expert_mode not in (*EXPERT_MODES, PALLAS_EXPERT_MODE):
+        if self.expert_mode not in EXPERT_MODES:
             raise InputError(f"expert_mode must be one of {EXPERT_MODES}, got {self.expert_mode!r}")
-        if self.kernels not in KERNELS:
-            raise InputError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if not isinstance(self.kernels, str) or not self.kernels:
+            raise InputError(f"kernels must be a backend name or 'auto', got {self.kernels!r}")
         if self.repack not in REPACKS:
             raise InputError(f"repack must be one of {REPACKS}, got {self.repack!r}")
         if self.row_kernel not in ROW_KERNELS:
@@ -376,6 +376,24 @@ def qwen36_35b_a3b(n_layer: int = 40, n_nextn: int = 1) -> ModelConfig:
         dense_ff=0)
 
 
+def qwen35_122b_a10b(n_layer: int = 48, n_nextn: int = 1) -> ModelConfig:
+    """The Qwen3.5-122B-A10B shapes (published config: 48 layers, hidden 3072, 32/2 attention heads of
+    256, GDN 16 key / 64 value heads of 128, 256 experts top-8 of FFN 1024 plus a shared expert of
+    1024, vocab 248320; sources in configs/models.json), optionally with fewer trunk layers."""
+    return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
+        d_model=3072, n_head=32, n_head_kv=2, ssm_dt_rank=64, ssm_d_inner=8192, n_expert=256, n_expert_used=8,
+        expert_ff=1024, shared_expert_ff=1024)
+
+
+def qwen35_397b_a17b(n_layer: int = 60, n_nextn: int = 1) -> ModelConfig:
+    """The Qwen3.5-397B-A17B shapes (published config: 60 layers, hidden 4096, 32/2 attention heads of
+    256, GDN 16 key / 64 value heads of 128, 512 experts top-10 of FFN 1024 plus a shared expert of
+    1024, vocab 248320; sources in configs/models.json), optionally with fewer trunk layers."""
+    return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
+        d_model=4096, n_head=32, n_head_kv=2, ssm_dt_rank=64, ssm_d_inner=8192, n_expert=512, n_expert_used=10,
+        expert_ff=1024, shared_expert_ff=1024)
+
+
 def qwen35_27b(n_layer: int = 64, n_nextn: int = 1) -> ModelConfig:
     """The dense Qwen3.5/3.6-27B shapes (published config: 64 layers, hidden 5120, FFN 17408, 24/4 heads
     of 256, GDN 16 key / 48 value heads of 128), optionally with fewer trunk layers."""
@@ -398,7 +416,8 @@ def tiny_qwen35moe(n_layer: int = 4, n_nextn: int = 1) -> ModelConfig:
         n_expert=16, n_expert_used=4, expert_ff=64, shared_expert_ff=64)
 
 
-SHAPE_PRESETS = {"tiny": tiny_qwen35moe, "qwen36-35b-a3b": qwen36_35b_a3b, "qwen35-27b": qwen35_27b}
+SHAPE_PRESETS = {"tiny": tiny_qwen35moe, "qwen36-35b-a3b": qwen36_35b_a3b, "qwen35-27b": qwen35_27b,
+                 "qwen35-122b-a10b": qwen35_122b_a10b, "qwen35-397b-a17b": qwen35_397b_a17b}
 
 
 def shape_preset(name: str, n_layer: int | None = None) -> ModelConfig:

@@ -23,3 +23,9 @@ class UnsupportedArchitectureError(GGUFError):
 
 class InputError(SharpiError, ValueError):
     """A prompt, token id or runtime option is invalid (too long, empty, out of range)."""
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value as an error message shows it: its repr on one line, cut to `limit` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

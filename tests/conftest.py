@@ -64,12 +64,15 @@ def load_references(model_dir: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def fixture_engine(name: str, variant: str, max_context: int, prefill_buckets: tuple[int, ...] | None = None):
+def fixture_engine(name: str, variant: str, max_context: int, prefill_buckets: tuple[int, ...] | None = None,
+                   kernels: str | None = None):
     """`sj.load` of fixture `<name>/<name>-<variant>.gguf`, cached so a module's tests share compiled
-    engines (released after each module, see `_release_compiled_code`)."""
+    engines (released after each module, see `_release_compiled_code`). kernels: None = the default."""
     import sharpi_jax as sj
 
     options = {} if prefill_buckets is None else {"prefill_buckets": prefill_buckets}
+    if kernels is not None:
+        options["kernels"] = kernels
     return sj.load(fixture_path(name, f"{name}-{variant}.gguf"), max_context=max_context, **options)
 
 

@@ -58,3 +58,18 @@ def test_failing_tool_reports_an_error(tmp_path):
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     out = llama_cpp_side.mtp_speculative(tmp_path / "m.gguf", "x", 4, 1, llama_bin=str(tmp_path), repeats=1)
     assert "error" in out and "no summary" in out["error"]
+
+
+def test_find_tool_mirrors_flattened_library_links(tmp_path):
+    """A bin directory whose soname links were flattened into text files naming their targets (as
+    ../shared/llama.cpp/bin is here) is mirrored with real links, so the loader finds the libraries."""
+    tool = tmp_path / llama_cpp_side.BENCH_TOOL
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "libllama.so.0.5.0").write_bytes(b"\x7fELF" + bytes(300))
+    (tmp_path / "libllama.so.0").write_text("libllama.so.0.5.0")
+    got = llama_cpp_side.find_tool(str(tmp_path), llama_cpp_side.BENCH_TOOL)
+    assert got.parent != tmp_path and got.read_text() == "#!/bin/sh\n" and os.access(got, os.X_OK)
+    link = got.parent / "libllama.so.0"
+    assert link.is_symlink() and os.readlink(link) == "libllama.so.0.5.0"
+    assert link.read_bytes()[:4] == b"\x7fELF"

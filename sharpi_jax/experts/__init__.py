@@ -1,4 +1,5 @@
-"""Routed experts: dispatch (token -> expert bucketing, per-token reference, grouped fast path).
+"""Routed experts: dispatch (token -> expert bucketing, per-token reference, grouped fast path) over
+QTensor expert stacks [E, rows, cols] (`sharpi_jax.quant`).
 
 Residency and streaming live in their own modules beside this one.
 """
@@ -8,13 +9,12 @@ from sharpi_jax.experts.dispatch import (
     ROW_KERNELS,
     Buckets,
     DispatchConfig,
-    ExpertWeights,
-    PackedExpertWeights,
+    StackView,
     bucket,
+    check_experts,
     dispatch_counts,
     dispatch_stats,
     expert_ffn,
-    pack_expert_weights,
     routed_experts,
     row_tiles,
     weighted_reduce,
@@ -25,13 +25,12 @@ __all__ = [
     "ROW_KERNELS",
     "Buckets",
     "DispatchConfig",
-    "ExpertWeights",
-    "PackedExpertWeights",
+    "StackView",
     "bucket",
+    "check_experts",
     "dispatch_counts",
     "dispatch_stats",
     "expert_ffn",
-    "pack_expert_weights",
     "routed_experts",
     "row_tiles",
     "weighted_reduce",

@@ -5,16 +5,18 @@ once per batch).
 
     routed[i] = sum_j w[i, j] * W_down[e] (silu(W_gate[e] u_i) * W_up[e] u_i),   e = sel[i, j]
 
-summed in rank order j = 0..k-1 (the shared expert is the caller's). Three modes:
+summed in rank order j = 0..k-1 (the shared expert is the caller's). `experts` is (gate, up, down):
+QTensor stacks [E, rows, cols] laid out once at load for one kernel backend (`sharpi_jax.quant`), which
+supplies the computation (`quant.registry.Backend`). Two modes:
 
 - "per_token": the reference loop, one (row, rank) pair at a time: N*k expert reads.
-- "grouped": bucket the N*k pairs by expert (stable sort, group sizes, inverse permutation), then
-  visit each used expert once (a loop over the used experts only), dequantize its three matrices
-  once, and apply them to its rows in row tiles sized to the bucket (`row_tiles`): |unique(sel)|
-  expert reads. This is the CPU fast path.
-- "pallas": the same bucketing into `block_m`-aligned tiles, then the Pallas grouped-matmul kernel
-  (`pallas_kernels.grouped_matmul`) and the Pallas weighted reduce; Triton on GPU, interpret mode on
-  CPU (slow: tests only).
+- "grouped": a backend's own grouped op where it has one (`Backend.expert_rows`; "pallas": rows
+  bucketed into `block_m`-aligned tiles, the grouped-matmul kernel and the Pallas weighted reduce,
+  Triton on GPU, interpret mode on CPU), else the composed loop: bucket the N*k pairs by expert
+  (stable sort, group sizes, inverse permutation), visit each used expert once (a loop over the used
+  experts only), load its three matrices once (`Backend.expert_weight`: "xla" / "reference"
+  dequantize them) and apply them to its rows in row tiles sized to the bucket (`row_tiles`,
+  `Backend.expert_matmul`): |unique(sel)| expert reads. This is the CPU fast path.
 
 Bit parity. "per_token" and "grouped" agree bit for bit on every row, whatever N, the routing or the
 batch contents, because both apply each expert through the same row-stable product:
@@ -32,7 +34,8 @@ prefill alike (that is what makes batched verify equal sequential decode). Dequa
 elementwise, gathers and scatters are exact, and the top-k reduce is one shared jnp expression (so XLA
 contracts it to FMAs the same way in both paths). These facts are measured on XLA:CPU (the tests prove
 them here); on a GPU use the "pallas" family, whose per-row arithmetic depends only on K and the tile
-shapes, for decode and verify alike.
+shapes, for decode and verify alike. (The parity facts above are the "xla" / "reference" backends'
+composed loops, whose products are float32 dots of dequantized matrices.)
 """
 
 from __future__ import annotations
@@ -46,31 +49,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import grouped_matmul as gm
-from pallas_kernels import quant_blocks as qb
-from pallas_kernels.weighted_reduce import kernel as wr_kernel
 from pallas_kernels.weighted_reduce import reference as wr_reference
-from sharpi_jax import config
-from sharpi_jax.errors import InputError, UnsupportedQuantError
-from sharpi_jax.experts.expert_weights import ExpertWeights
+from sharpi_jax import config, quant
+from sharpi_jax.errors import InputError
+from sharpi_jax.quant import QTensor
 
-MODES = ("per_token", "grouped", "pallas")
+MODES = config.EXPERT_MODES  # ("grouped", "per_token")
 ROW_KERNELS = config.ROW_KERNELS  # ("gemm", "gemv")
 
 __all__ = [
-    "ExpertWeights",
     "Buckets",
     "DispatchConfig",
     "MODES",
     "ROW_KERNELS",
-    "PackedExpertWeights",
+    "StackView",
     "bucket",
+    "check_experts",
     "row_tiles",
     "dispatch_counts",
     "dispatch_stats",
     "expert_ffn",
     "expert_rows",
-    "pack_expert_weights",
+    "experts_backend",
     "read_bytes",
     "routed_experts",
     "weighted_reduce",
@@ -133,33 +133,58 @@ def bucket(sel: jax.Array, n_expert: int) -> Buckets:
 # ----------------------------------------------------------------------------- expert math
 
 
+def check_experts(experts: Any, d_model: int | None = None) -> tuple[QTensor, QTensor, QTensor]:
+    """(gate [E, F, D], up [E, F, D], down [E, D, F]) QTensor stacks, checked (InputError otherwise;
+    shapes only, so it works on tracers)."""
+    if not (isinstance(experts, (tuple, list)) and len(experts) == 3 and all(isinstance(m, QTensor) for m in experts)):
+        raise InputError(f"experts must be (gate, up, down) QTensor stacks, got {type(experts).__name__}")
+    gate, up, down = experts
+    if len(gate.shape) != 3 or len(down.shape) != 3:
+        raise InputError(f"expert stacks must be [E, rows, cols], got gate {gate.shape}, down {down.shape}")
+    e, f, d = gate.shape
+    for name, m, want in (("up", up, (e, f, d)), ("down", down, (e, d, f))):
+        if tuple(m.shape) != want:
+            raise InputError(f"expert {name}: shape {m.shape}, want {want} (gate is {gate.shape})")
+    if d_model is not None and d_model != d:
+        raise InputError(f"u has width {d_model}, experts have d_model {d}")
+    return gate, up, down
+
+
+def experts_backend(experts: tuple[QTensor, QTensor, QTensor]) -> quant.Backend:
+    """The kernel backend of a layer's expert stacks (one for all three: `MatrixFormat.experts_backend`)."""
+    names = {m.kernels for m in experts}
+    if len(names) != 1:
+        raise InputError(f"the expert stacks of one layer need one kernel backend, got {sorted(names)}")
+    return quant.get(names.pop())
+
+
+class StackView:
+    """What the composed loops read from expert stacks: `n_expert`, `load(e)` (expert e's three matrices
+    as its backend's `expert_weight` gives them, read once per batch), `ffn(x, loaded)` (the unweighted
+    SwiGLU expert by the backend's `expert_ffn`) and `bytes_per_read` (None: not known)."""
+
+    def __init__(self, experts: tuple[QTensor, QTensor, QTensor]):
+        self.experts = experts
+        self.backend = experts_backend(experts)
+        self.n_expert = experts[0].shape[0]
+        self.bytes_per_read = _expert_bytes(experts)
+
+    def load(self, e: jax.Array):
+        return tuple(self.backend.expert_weight(m, e) for m in self.experts)
+
+    def ffn(self, x: jax.Array, loaded) -> jax.Array:
+        return self.backend.expert_ffn(x, loaded, self.experts)
+
+
 def _rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [R, in] @ w[out, in].T -> [R, out], contracting the last dims (no transpose copy)."""
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
 
 
-def expert_ffn(
-    x: jax.Array,
-    wg: jax.Array,
-    wu: jax.Array,
-    wd: jax.Array,
-    input_orders: tuple[str | None, str | None, str | None] = (None, None, None),
-) -> jax.Array:
-    """Unweighted SwiGLU expert on rows x [R, D]: W_down (silu(W_gate x) * W_up x) -> [R, D].
-
-    input_orders: per matrix, the qtype whose storage K order its columns are in (None: natural);
-    the matrix's input is permuted to match (`ExpertWeights.input_orders`).
-    """
-    perm = qb.storage_k_order
-    g = _rows_matmul(perm(x, input_orders[0]) if input_orders[0] else x, wg)
-    up = _rows_matmul(perm(x, input_orders[1]) if input_orders[1] else x, wu)
-    h = jax.nn.silu(g) * up
-    return _rows_matmul(perm(h, input_orders[2]) if input_orders[2] else h, wd)
-
-
-def _load_expert(experts: ExpertWeights, e: jax.Array):
-    """Expert e's float32 matrices in their fastest column order, and that order."""
-    return experts.dequant_expert(e, k_order="storage"), experts.input_orders
+def expert_ffn(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
+    """Unweighted SwiGLU expert on rows x [R, D] with float matrices: W_down (silu(W_gate x) * W_up x)."""
+    h = jax.nn.silu(_rows_matmul(x, wg)) * _rows_matmul(x, wu)
+    return _rows_matmul(h, wd)
 
 
 def weighted_reduce(y: jax.Array, w: jax.Array, shared: jax.Array | None = None) -> jax.Array:
@@ -228,28 +253,27 @@ def read_bytes(stats: dict[str, Any]) -> int:
     return mib * _MIB + rest
 
 
-def _per_token(u, sel, experts: ExpertWeights, row_kernel: str):
+def _per_token(u, sel, view, row_kernel: str):
     """Reference: one (row, rank) pair at a time, in (i, j) order; returns (Y [N, k, D], counters)."""
     n, k = sel.shape
     d = u.shape[1]
     flat = sel.reshape(n * k).astype(jnp.int32)
     rows = 1 if row_kernel == "gemv" else 2
-    per_read = _expert_bytes(experts)
+    per_read = view.bytes_per_read
 
     def step(carry, t):
         loads, read = carry
         x = jax.lax.dynamic_index_in_dim(u, t // k, keepdims=True)  # [1, D]
         if rows == 2:
             x = jnp.concatenate([x, jnp.zeros_like(x)])  # pad: every product has M >= 2
-        mats, orders = _load_expert(experts, flat[t])
-        y = expert_ffn(x, *mats, orders)
+        y = view.ffn(x, view.load(flat[t]))
         return (loads + 1, _add_bytes(read, per_read)), y[0]
 
     (loads, read), ys = jax.lax.scan(step, (jnp.int32(0), _no_bytes(per_read)), jnp.arange(n * k, dtype=jnp.int32))
     return ys.reshape(n, k, d), _counters(loads, read)
 
 
-def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
+def _grouped(u, sel, view, tiles: tuple[int, ...]):
     """Visit each used expert once; apply it to its bucket in tiles; returns (Y [N, k, D], counters).
 
     A bucket of c rows is cut into chunks; each chunk takes the smallest tile in `tiles` that holds
@@ -262,21 +286,21 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
     t = n * k
     r_max = max(tiles)
     tile_sizes = jnp.asarray(tiles, jnp.int32)
-    b = bucket(sel, experts.n_expert)
+    b = bucket(sel, view.n_expert)
     # Sorted activations, padded by one tile so a tile never reads or writes past the end (a
     # dynamic_slice would clamp its start and shift the rows).
     xs = jnp.concatenate([u[b.token], jnp.zeros((r_max, d), u.dtype)])
     ys = jnp.zeros((t + r_max, d), jnp.float32)
-    per_read = _expert_bytes(experts)
+    per_read = view.bytes_per_read
 
     def per_expert(ui, carry):
         ys, loads, read = carry
         e = b.used[ui]
-        mats, orders = _load_expert(experts, e)  # read + dequantized once per batch
+        mats = view.load(e)  # read (and, for a dequantizing backend, dequantized) once per batch
 
         def tile_fn(r):
             def apply(ys, off):
-                y = expert_ffn(jax.lax.dynamic_slice_in_dim(xs, off, r), *mats, orders)
+                y = view.ffn(jax.lax.dynamic_slice_in_dim(xs, off, r), mats)
                 return jax.lax.dynamic_update_slice_in_dim(ys, y, off, axis=0)
             return apply
 
@@ -297,90 +321,32 @@ def _grouped(u, sel, experts: ExpertWeights, tiles: tuple[int, ...]):
 
 
 def expert_rows(u: jax.Array, sel: jax.Array, experts, mode: str = "grouped", row_kernel: str = "gemm",
-                row_tile: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                row_tile: int | None = None, options: quant.ExpertOptions | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The unreduced expert outputs Y [N, k, D] (Y[i, j] = expert_{sel[i, j]}(u[i])) and the read
-    counters (`with_stats`), as `routed_experts` computes them in the XLA modes ("per_token" | "grouped").
+    counters (`with_stats`), as `routed_experts` computes them.
 
-    `experts` is an `ExpertWeights` or anything with its `n_expert`, `input_orders` and
-    `dequant_expert` (e.g. two stacks read as one, for expert residency)."""
+    `experts`: (gate, up, down) QTensor stacks, or a view with `StackView`'s interface (e.g. two stacks
+    read as one, for expert residency). "grouped" on stacks whose backend has its own grouped op
+    (`Backend.expert_rows`) runs that op; otherwise the composed loops run on the backend's hooks."""
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    options = options or quant.ExpertOptions(row_kernel=row_kernel, row_tile=row_tile)
+    if isinstance(experts, (tuple, list)):
+        experts = check_experts(experts)
+        backend = experts_backend(experts)
+        if mode == "grouped" and backend.expert_rows is not None:
+            y, loads = backend.expert_rows(u, sel, experts, options)
+            per_read = _expert_bytes(experts)
+            read = jax.lax.fori_loop(0, loads, lambda _, c: _add_bytes(c, per_read), _no_bytes(per_read))
+            return y, _counters(loads, read)
+        experts = StackView(experts)
     if mode == "per_token":
         return _per_token(u, sel, experts, row_kernel)
     tiles = (1,) if row_kernel == "gemv" else row_tiles(sel.shape[0], row_tile)
     if row_kernel == "gemm" and min(tiles) < 2:
         raise InputError("row_kernel='gemm' needs row_tile >= 2 (M = 1 is a different kernel)")
     return _grouped(u, sel, experts, tiles)
-
-
-# ----------------------------------------------------------------------------- pallas path
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["gate", "up", "down"],
-    meta_fields=["gate_qtype", "up_qtype", "down_qtype", "bytes_per_expert"],
-)
-@dataclasses.dataclass(frozen=True)
-class PackedExpertWeights:
-    """Expert weights in the kernels' struct-of-arrays layout (`pallas_kernels.quant_blocks`).
-
-    Pack once at load time (`pack_expert_weights`): packing reads every expert. `bytes_per_expert`
-    is the GGUF storage size (the kernel layout holds Q4_K's 6-bit scales unpacked: 148 B per 256
-    weights instead of 144).
-    """
-
-    gate: dict[str, jax.Array]
-    up: dict[str, jax.Array]
-    down: dict[str, jax.Array]
-    gate_qtype: str
-    up_qtype: str
-    down_qtype: str
-    bytes_per_expert: int
-
-    @property
-    def n_expert(self) -> int:
-        return next(iter(self.gate.values())).shape[0]
-
-
-def pack_expert_weights(experts: ExpertWeights) -> PackedExpertWeights:
-    """ExpertWeights (f32, f16, Q8_0, Q4_K; either layout) -> the kernel layout (Q4_K scales unpacked)."""
-    f, d = experts.d_ff, experts.d_model
-    for q in (experts.gate_qtype, experts.up_qtype, experts.down_qtype):
-        if q not in gm.WEIGHT_FIELDS:
-            raise UnsupportedQuantError(f"the grouped-matmul kernel reads f32/f16/q8_0/q4_k experts, not {q}")
-
-    def pack(m, qtype, n_cols):
-        if isinstance(m, dict):  # SoA layout
-            return qb.soa_to_kernel(m, qtype)
-        return qb.pack(m, qtype, n_cols)
-
-    return PackedExpertWeights(
-        pack(experts.gate, experts.gate_qtype, d),
-        pack(experts.up, experts.up_qtype, d),
-        pack(experts.down, experts.down_qtype, f),
-        experts.gate_qtype,
-        experts.up_qtype,
-        experts.down_qtype,
-        experts.bytes_per_expert,
-    )
-
-
-def _pallas(u, sel, packed: PackedExpertWeights, block_m: int, block_n: int, interpret: bool):
-    n, k = sel.shape
-    d = u.shape[1]
-    flat = sel.reshape(n * k).astype(jnp.int32)
-    layout = gm.group_layout(flat, packed.n_expert, block_m)
-    x = gm.scatter_rows(u[jnp.arange(n * k) // k], layout)
-    mm = functools.partial(gm.grouped_matmul, block_m=block_m, block_n=block_n, interpret=interpret)
-    g = mm(x, packed.gate, layout.tile_group, qtype=packed.gate_qtype)
-    up = mm(x, packed.up, layout.tile_group, qtype=packed.up_qtype)
-    y = mm(jax.nn.silu(g) * up, packed.down, layout.tile_group, qtype=packed.down_qtype)
-    # Each used row tile reads its expert's three matrices once (its programs cover every output
-    # column; unused tiles read nothing): one load per unique expert as long as no bucket exceeds
-    # block_m rows (verify batches), more for heavily shared experts in a prefill.
-    loads = (layout.tile_group >= 0).sum().astype(jnp.int32)
-    per_read = _expert_bytes((packed.gate, packed.up, packed.down))
-    read = jax.lax.fori_loop(0, loads, lambda _, c: _add_bytes(c, per_read), _no_bytes(per_read))
-    return gm.gather_rows(y, layout).reshape(n, k, d), _counters(loads, read)
 
 
 # ----------------------------------------------------------------------------- public entry
@@ -394,7 +360,7 @@ def routed_experts(
     u: jax.Array,
     sel: jax.Array,
     w: jax.Array,
-    experts: ExpertWeights | PackedExpertWeights,
+    experts: tuple[QTensor, QTensor, QTensor],
     mode: str = "grouped",
     *,
     row_kernel: str = "gemm",
@@ -407,12 +373,14 @@ def routed_experts(
     """Routed-expert output: sum_j w[i, j] * expert_{sel[i, j]}(u[i]), rank order, no shared expert.
 
     u: float32[N, D] post-attention-normed activations; sel: int32[N, k] top-k ids in rank order;
-    w: float32[N, k] renormalised routing weights. Returns float32[N, D] (and, with `with_stats`,
-    {"expert_loads": int32[], "expert_bytes": int32[2]}: the expert weight reads actually executed,
-    and the bytes they read, each read adding the storage bytes of the expert slices it takes, as
-    (MiB, bytes below a MiB): `read_bytes(stats)` gives the Python int).
+    w: float32[N, k] renormalised routing weights; experts: (gate [E, F, D], up [E, F, D], down
+    [E, D, F]) QTensor stacks of one kernel backend (`quant.MatrixFormat.pack`, laid out once at load).
+    Returns float32[N, D] (and, with `with_stats`, {"expert_loads": int32[], "expert_bytes": int32[2]}:
+    the expert weight reads actually executed, and the bytes they read, each read adding the bytes its
+    backend holds per expert (the GGUF storage bytes; the Pallas kernel layout: 148 B per 256 Q4_K
+    weights), as (MiB, bytes below a MiB): `read_bytes(stats)` gives the Python int).
 
-    mode "per_token" | "grouped" | "pallas"; row_kernel "gemm" | "gemv" (XLA modes; see module doc);
+    mode "per_token" | "grouped"; row_kernel "gemm" | "gemv" (the composed loops; see module doc);
     row_tile: one fixed grouped-gemm tile (>= 2; default: a ladder sized to each bucket, see
     `row_tiles`); block_m/block_n: the Pallas kernel's row and column tiles; interpret: run the
     Pallas kernels in interpret mode (default: when the backend is CPU).
@@ -426,29 +394,11 @@ def routed_experts(
     n, k = sel.shape
     if u.ndim != 2 or u.shape[0] != n or w.shape != (n, k):
         raise InputError(f"shapes: u {u.shape}, sel {sel.shape}, w {w.shape}")
-    u = u.astype(jnp.float32)
-    if mode == "pallas":
-        if isinstance(experts, ExpertWeights):
-            experts.validate()
-            if u.shape[1] != experts.d_model:
-                raise InputError(f"u has width {u.shape[1]}, experts have d_model {experts.d_model}")
-            packed = pack_expert_weights(experts)
-        elif isinstance(experts, PackedExpertWeights):
-            packed = experts
-        else:
-            raise InputError(f"mode 'pallas' takes ExpertWeights or PackedExpertWeights, got {type(experts).__name__}")
-        interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-        y, stats = _pallas(u, sel, packed, block_m, block_n, interpret)
-        out = wr_kernel.weighted_reduce(y, w.astype(jnp.float32), interpret=interpret)
-        return (out, stats) if with_stats else out
-    else:
-        if not isinstance(experts, ExpertWeights):
-            raise InputError(f"mode {mode!r} takes ExpertWeights, got {type(experts).__name__}")
-        experts.validate()
-        if u.shape[1] != experts.d_model:
-            raise InputError(f"u has width {u.shape[1]}, experts have d_model {experts.d_model}")
-        y, stats = expert_rows(u, sel, experts, mode, row_kernel, row_tile)
-    out = weighted_reduce(y, w.astype(jnp.float32))
+    experts = check_experts(experts, u.shape[1])
+    backend = experts_backend(experts)
+    options = quant.ExpertOptions(row_kernel, row_tile, block_m, block_n, interpret)
+    y, stats = expert_rows(u.astype(jnp.float32), sel, experts, mode, row_kernel, row_tile, options)
+    out = backend.weighted_reduce(y, w.astype(jnp.float32), options)
     return (out, stats) if with_stats else out
 
 
@@ -457,7 +407,7 @@ class DispatchConfig:
     """How a model routes its experts: hashable, so it can sit in a frozen model config.
 
     Use one config for decode, verify and prefill: the bit parity between them holds within a row
-    kernel family ("gemm" | "gemv" for the XLA modes, or "pallas"), not across families.
+    kernel family ("gemm" | "gemv" for the composed loops, or a backend's own grouped op), not across.
     """
 
     mode: str = "grouped"

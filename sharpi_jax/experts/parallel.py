@@ -38,13 +38,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts.dispatch import expert_rows, weighted_reduce
-from sharpi_jax.experts.expert_weights import ExpertWeights, to_expert_storage
-from sharpi_jax.experts.provider import GGUFExperts, RoutedExperts, field_of, matrix_shape
+from sharpi_jax.experts.provider import ExpertFormat, GGUFExperts, RoutedExperts
+from sharpi_jax.quant import QTensor
 from sharpi_jax.gguf.reader import GGUFFile
-from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
+from sharpi_jax.gguf.tensor_specs import expert_qtypes, expert_raw
 
 EXPERT_AXIS = "expert"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
@@ -96,14 +96,17 @@ def expert_mesh(n: int) -> Mesh:
 # ----------------------------------------------------------------------------- dispatch
 
 
-def sharded_expert_rows(u: jax.Array, sel: jax.Array, experts: ExpertWeights, mesh: Mesh, mode: str = "grouped",
-                        row_kernel: str = "gemm") -> jax.Array:
-    """Y [N, k, D] (Y[i, j] = expert_{sel[i, j]}(u[i])) with `experts` sharded on axis 0 over `mesh`'s
-    expert axis: bitwise `dispatch.expert_rows(u, sel, experts, mode, row_kernel)[0]` (module doc)."""
+def sharded_expert_rows(u: jax.Array, sel: jax.Array, experts: tuple[QTensor, QTensor, QTensor], mesh: Mesh,
+                        mode: str = "grouped", row_kernel: str = "gemm") -> jax.Array:
+    """Y [N, k, D] (Y[i, j] = expert_{sel[i, j]}(u[i])) with the (gate, up, down) QTensor stacks sharded
+    on axis 0 over `mesh`'s expert axis: bitwise `dispatch.expert_rows(u, sel, experts, mode,
+    row_kernel)[0]` (module doc)."""
     n_dev = mesh.shape[EXPERT_AXIS]
-    e_local = experts.n_expert // n_dev
+    experts = tuple(experts)
+    e_local = experts[0].shape[0] // n_dev
 
     def local(u, sel, mine_experts):
+        mine_experts = tuple(m.with_lead(e_local) for m in mine_experts)  # this device's [E / n, ...] stacks
         first = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32) * e_local
         mine = (sel >= first) & (sel < first + e_local)
         # Pairs of other devices go to bucket e_local: past every local expert, so none visits them.
@@ -123,9 +126,9 @@ class ShardedExperts(RoutedExperts):
 
     def __init__(self, n_expert: int, d_model: int, d_ff: int, qtypes: tuple[int, int, int], mesh: Mesh,
                  run: RunConfig = RunConfig()):
-        if run.expert_mode == PALLAS_EXPERT_MODE:
-            raise InputError("expert_parallel with kernels='pallas' is not supported yet: use kernels='xla'")
         super().__init__(n_expert, d_model, d_ff, qtypes, run)
+        if self.format.backend == "pallas":
+            raise InputError("expert_parallel with kernels='pallas' is not supported yet: use kernels='xla'")
         self.mesh = mesh  # static (part of the graph): Mesh is hashable
 
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -136,28 +139,27 @@ class ShardedExperts(RoutedExperts):
 # ----------------------------------------------------------------------------- loading and placement
 
 
-def _assemble(parts: dict[Any, Any], global_lead: int, sharding: NamedSharding):
-    """Per-device storage (an array or a dict of SoA fields, experts on axis 0) -> global arrays."""
+def _assemble(parts: dict[Any, jax.Array], global_lead: int, sharding: NamedSharding) -> jax.Array:
+    """Per-device arrays (experts on axis 0) -> one global array sharded by expert."""
     first = next(iter(parts.values()))
-    if isinstance(first, dict):
-        return {k: _assemble({d: p[k] for d, p in parts.items()}, global_lead, sharding) for k in first}
     shape = (global_lead,) + tuple(first.shape[1:])
     return jax.make_array_from_single_device_arrays(shape, sharding, [parts[d] for d in sharding.mesh.devices.flat
                                                                       if d in parts])
 
 
-def shard_expert_storage(raw: np.ndarray, shape: tuple[int, ...], qtype: int, mesh: Mesh):
-    """GGUF bytes [E, rows, row bytes] of an expert matrix -> its storage form (`to_expert_storage`)
-    sharded by expert over `mesh`: each addressable device converts and holds only its experts."""
+def shard_expert_stack(raw: np.ndarray, fmt: ExpertFormat, which: str, mesh: Mesh) -> QTensor:
+    """GGUF bytes [E, rows, row bytes] of an expert matrix -> its QTensor stack (`ExpertFormat.pack`)
+    sharded by expert over `mesh`: each addressable device lays out and holds only its experts."""
     sharding = NamedSharding(mesh, P(EXPERT_AXIS))
     parts = {}
     for device, index in sharding.addressable_devices_indices_map(raw.shape).items():
-        rows = range(shape[0])[index[0]]  # this device's experts (slice(None) on a 1-device mesh)
-        local_shape = (len(rows),) + tuple(shape[1:])
+        rows = range(raw.shape[0])[index[0]]  # this device's experts (slice(None) on a 1-device mesh)
         with jax.default_device(device):
-            part = to_expert_storage(np.ascontiguousarray(raw[rows.start:rows.stop]), local_shape, qtype)
+            part = fmt.pack(np.ascontiguousarray(raw[rows.start:rows.stop]), which)
         parts[device] = jax.device_put(part, device)
-    return _assemble(parts, shape[0], sharding)
+    first = next(iter(parts.values()))
+    data = {k: _assemble({d: p.data[k] for d, p in parts.items()}, raw.shape[0], sharding) for k in first.data}
+    return QTensor(data, first.qtype, fmt.shape(raw.shape[0], which), first.layout, first.backend)
 
 
 class ShardedGGUFExperts(GGUFExperts):
@@ -172,12 +174,8 @@ class ShardedGGUFExperts(GGUFExperts):
         return lambda layer: ShardedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer),
                                             self.mesh, self.run)
 
-    def _storage(self, layer: int, which: str, field: str | None):
-        c = self.config
-        qtype = expert_qtypes(self.gguf, layer)[EXPERT_MATRICES.index(which)]
-        shape = matrix_shape(c.n_expert, c.d_model, c.expert_ff, which)
-        return field_of(self._pending, (layer, which), field,
-                        lambda: shard_expert_storage(expert_raw(self.gguf, layer, which), shape, qtype, self.mesh))
+    def _stack(self, layer: int, which: str) -> QTensor:
+        return shard_expert_stack(expert_raw(self.gguf, layer, which), self.format(layer), which, self.mesh)
 
 
 def _replicated(x: Any, sharding: NamedSharding) -> Any:

@@ -1,7 +1,8 @@
 """The routed experts a MoE block calls (`model.moe.ExpertProvider`), built and loaded from an open GGUF.
 
-- `RoutedExperts`: one layer's whole expert stacks in their storage form (`expert_weights.expert_storage`:
-  Q8_0 / Q4_K as SoA fields, F32 / F16 as floats, other types as raw GGUF rows), dispatched by
+- `RoutedExperts`: one layer's whole expert stacks, QTensors [E, rows, cols] laid out once at load by
+  the run's `quant.MatrixFormat` (the same as every other matrix: "xla" holds Q8_0 / Q4_K as SoA
+  fields, floats as floats, other types as GGUF blocks; "pallas" the kernel layout), dispatched by
   `dispatch.routed_experts` (grouped or per-token, bitwise equal).
 - `GGUFExperts`: the model loader's `ExpertLoader` for a GGUF: per MoE block a `RoutedExperts`, or,
   with an expert budget, the residency's `ResidentExperts` (device slots + streaming), and the loaders
@@ -13,18 +14,15 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from sharpi_jax.config import PALLAS_EXPERT_MODE, ModelConfig, RunConfig
+from sharpi_jax import quant
+from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.experts.dispatch import routed_experts
-from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, qtype_name, storage_values,
-                                               storage_variables, to_expert_storage)
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
-
-# Routed-expert types the Pallas kernels dequantize in-kernel (expert_mode "pallas", set by
-# kernels="pallas"); a layer whose experts have another type keeps the "grouped" XLA dispatch.
-PALLAS_EXPERT_TYPES = ("f32", "f16", "q8_0", "q4_k")
+from sharpi_jax.model.layers import QuantBlocks
 
 
 def matrix_shape(n: int, d_model: int, d_ff: int, which: str) -> tuple[int, int, int]:
@@ -32,24 +30,51 @@ def matrix_shape(n: int, d_model: int, d_ff: int, which: str) -> tuple[int, int,
     return (n, d_model, d_ff) if which == "down" else (n, d_ff, d_model)
 
 
+def run_format(run: RunConfig) -> quant.MatrixFormat:
+    """The run's matrix format (its resolved kernel backend and repacking)."""
+    return quant.MatrixFormat(quant.resolve_kernels(run.kernels), run.repack)
+
+
+class ExpertFormat:
+    """How one layer's expert stacks are held: the backend serving all three types (`MatrixFormat.
+    experts_backend`) and its layouts. `zeros(n)` / `pack(raws)` build stacks of n experts."""
+
+    def __init__(self, fmt: quant.MatrixFormat, qtypes: tuple[int, int, int], d_model: int, d_ff: int):
+        self.fmt, self.qtypes, self.d_model, self.d_ff = fmt, tuple(int(q) for q in qtypes), d_model, d_ff
+        shapes = tuple(matrix_shape(1, d_model, d_ff, m) for m in EXPERT_MATRICES)
+        self.backend = fmt.experts_backend(self.qtypes, shapes)
+
+    def shape(self, n: int, which: str) -> tuple[int, int, int]:
+        return matrix_shape(n, self.d_model, self.d_ff, which)
+
+    def zeros(self, n: int, which: str) -> quant.QTensor:
+        """A zero-filled stack of n experts' `which` matrix (a module's value before loading)."""
+        q = self.qtypes[EXPERT_MATRICES.index(which)]
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.fmt.abstract(q, self.shape(n, which), self.backend))
+
+    def pack(self, raw, which: str) -> quant.QTensor:
+        """GGUF bytes uint8 [n, rows, row_bytes] of `which` -> its stack (jittable)."""
+        q = self.qtypes[EXPERT_MATRICES.index(which)]
+        return self.fmt.pack(raw, q, self.shape(raw.shape[0], which), self.backend)
+
+
 class RoutedExperts(nnx.Module):
-    """One layer's routed experts: gate/up [E, F, D] and down [E, D, F] in storage form + static qtypes."""
+    """One layer's routed experts: gate/up [E, F, D] and down [E, D, F] QTensor stacks + static qtypes."""
 
     def __init__(self, n_expert: int, d_model: int, d_ff: int, qtypes: tuple[int, int, int],
                  run: RunConfig = RunConfig()):
-        """qtypes: (gate, up, down) ggml type ids; run: the dispatch (expert_mode, row_kernel)."""
+        """qtypes: (gate, up, down) ggml type ids; run: the dispatch (expert_mode, row_kernel) and the
+        kernel backend the stacks are laid out for."""
         self.n_expert, self.d_model, self.d_ff = n_expert, d_model, d_ff
         self.mode, self.row_kernel = run.expert_mode, run.row_kernel
-        if self.mode == PALLAS_EXPERT_MODE and any(qtype_name(q) not in PALLAS_EXPERT_TYPES for q in qtypes):
-            self.mode = "grouped"
         self.qtypes = tuple(int(q) for q in qtypes)
-        for which, q in zip(EXPERT_MATRICES, self.qtypes):
-            setattr(self, which, storage_variables(expert_storage(matrix_shape(n_expert, d_model, d_ff, which), q)))
+        self.format = ExpertFormat(run_format(run), self.qtypes, d_model, d_ff)
+        for which in EXPERT_MATRICES:
+            setattr(self, which, QuantBlocks(self.format.zeros(n_expert, which)))
 
-    def weights(self) -> ExpertWeights:
-        """The dispatch module's view of these experts (no copy)."""
-        return ExpertWeights.from_storage(storage_values(self.gate), storage_values(self.up),
-                                          storage_values(self.down), self.qtypes)
+    def weights(self) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
+        """The (gate, up, down) stacks (no copy)."""
+        return tuple(getattr(self, m).get_value() for m in EXPERT_MATRICES)
 
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """`moe.ExpertProvider`: padding rows already carry zero weights, so `valid` is not needed."""
@@ -65,7 +90,6 @@ class GGUFExperts:
 
     def __init__(self, f: GGUFFile, config: ModelConfig, run: RunConfig = RunConfig(), residency: Any = None):
         self.gguf, self.config, self.run, self.residency = f, config, run, residency
-        self._pending: dict = {}  # SoA fields of the matrix being loaded
 
     def modules(self) -> Callable[[int], nnx.Module]:
         """A factory for one model build (layers of one build share the residency's staging buffers)."""
@@ -81,33 +105,19 @@ class GGUFExperts:
 
         return make
 
+    def format(self, layer: int) -> ExpertFormat:
+        """How layer `layer`'s expert stacks are held."""
+        c = self.config
+        return ExpertFormat(run_format(self.run), expert_qtypes(self.gguf, layer), c.d_model, c.expert_ff)
+
     def source(self, layer: int, path: tuple) -> Callable[[], Any]:
         """The loader of one param of `modules()(layer)`, by its path inside that module."""
         if self.residency is not None and layer in self.residency.plan.layers:
             return self.residency.source(layer, path)
-        if len(path) not in (1, 2) or path[0] not in EXPERT_MATRICES:
+        if len(path) != 1 or path[0] not in EXPERT_MATRICES:
             raise KeyError(path)
-        return lambda: self._storage(layer, path[0], path[1] if len(path) == 2 else None)
+        return lambda: self._stack(layer, path[0])
 
-    def _storage(self, layer: int, which: str, field: str | None):
-        """Expert matrix `which` of a layer in its storage form, or one SoA field of it."""
-        c = self.config
-        qtype = expert_qtypes(self.gguf, layer)[EXPERT_MATRICES.index(which)]
-        shape = matrix_shape(c.n_expert, c.d_model, c.expert_ff, which)
-        return field_of(self._pending, (layer, which), field,
-                        lambda: to_expert_storage(expert_raw(self.gguf, layer, which), shape, qtype))
-
-
-def field_of(pending: dict, key: Any, field: str | None, convert: Callable[[], Any]):
-    """`convert()` (an array, or a dict of SoA fields), or its `field`: a dict is converted once and its
-    fields are handed out one by one from `pending` (dropped as they go: no copy outlives the load)."""
-    if field is None:
-        return convert()
-    if key not in pending:
-        pending.clear()  # a new matrix: the previous one's fields are no longer wanted
-        pending[key] = dict(convert())
-    fields = pending[key]
-    value = fields.pop(field)
-    if not fields:
-        del pending[key]
-    return value
+    def _stack(self, layer: int, which: str) -> quant.QTensor:
+        """Expert matrix `which` of a layer as its QTensor stack (the file's bytes laid out once)."""
+        return self.format(layer).pack(expert_raw(self.gguf, layer, which), which)

@@ -11,8 +11,8 @@ calls `Streamer.serve` once for that layer with every missing expert id. The cal
   straight from the mmap bytes, and returns their rows' outputs [N, k, D] (zeros elsewhere).
 
 Bit parity: host rows are computed by the same jitted expert code as the device path
-(`dispatch.expert_rows`, products of >= 2 rows, dequantized in storage K order) on the XLA:CPU backend,
-so on a CPU device they equal the device rows bit for bit. On a GPU device the host rows come from
+(`dispatch.expert_rows` on expert stacks laid out by the layer's own `provider.ExpertFormat`, products
+of >= 2 rows) on the XLA:CPU backend, so on a CPU device they equal the device rows bit for bit. On a GPU device the host rows come from
 XLA:CPU and are not bitwise the GPU's (use `cold="stream"` there for bit parity).
 
 Pinned host memory: the staging buffers are reused numpy arrays (the CPU backend copies a callback's
@@ -33,7 +33,6 @@ which streaming is used ("auto" mode); below it, every miss is computed on the h
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from typing import Sequence
@@ -42,7 +41,6 @@ import jax
 import numpy as np
 
 from sharpi_jax.experts import dispatch
-from sharpi_jax.experts.expert_weights import ExpertWeights, to_expert_storage
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.gguf.tensor_specs import EXPERT_MATRICES, expert_qtypes, expert_raw
 
@@ -78,20 +76,21 @@ def _next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
-def _host_fn(qtypes: tuple[int, int, int], d_ff: int, d_model: int, row_kernel: str):
-    """Jitted host computation: rows x [P, D] through local experts (raw GGUF bytes) -> [P, D]."""
+_HOST_FNS: dict = {}
 
-    def fn(x, lsel, rg, ru, rd):
-        n = rg.shape[0]
-        F, D = d_ff, d_model
-        ew = ExpertWeights.from_storage(to_expert_storage(rg, (n, F, D), qtypes[0]),
-                                        to_expert_storage(ru, (n, F, D), qtypes[1]),
-                                        to_expert_storage(rd, (n, D, F), qtypes[2]), qtypes)
-        y, _ = dispatch.expert_rows(x, lsel, ew, "grouped", row_kernel)
-        return y[:, 0]
 
-    return jax.jit(fn)
+def _host_fn(fmt, row_kernel: str):
+    """Jitted host computation: rows x [P, D] through local experts (raw GGUF bytes, laid out inside by
+    the layer's `provider.ExpertFormat` `fmt`) -> [P, D]."""
+    key = (fmt.fmt, fmt.backend, fmt.qtypes, fmt.d_model, fmt.d_ff, row_kernel)
+    if key not in _HOST_FNS:
+        def fn(x, lsel, rg, ru, rd):
+            experts = tuple(fmt.pack(r, m) for r, m in zip((rg, ru, rd), MATRICES))
+            y, _ = dispatch.expert_rows(x, lsel, experts, "grouped", row_kernel)
+            return y[:, 0]
+
+        _HOST_FNS[key] = jax.jit(fn)
+    return _HOST_FNS[key]
 
 
 class LayerSource:
@@ -135,6 +134,7 @@ class Streamer:
                 order = [int(e) for e in np.argsort(-c, kind="stable") if c[e] > 0 and int(e) not in keep]
                 self._likely[i] = np.asarray(order[: self.prefetch_experts], np.int64)
         self.staging_kind = staging_memory_kind()
+        self.formats: dict = {}  # layer -> its provider.ExpertFormat (set when the layer's module is built)
         self.reset_stats()
 
     # ----- counters -----
@@ -223,7 +223,7 @@ class Streamer:
             r = np.zeros((n_loc,) + view.shape[1:], np.uint8)
             r[: hosted.size] = view[hosted]
             raws.append(r)
-        fn = _host_fn(src.qtypes, src.d_ff, src.d_model, row_kernel)
+        fn = _host_fn(self.formats[src.layer], row_kernel)
         with jax.default_device(jax.devices("cpu")[0]):
             out = np.asarray(fn(x, lsel, *raws))
         y[rows, ranks] = out[:n_pairs]

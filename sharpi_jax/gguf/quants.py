@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from jax import lax
 
 from sharpi_jax.errors import GGUFError, UnsupportedQuantError
+from sharpi_jax.gguf import iq_grids
 
 Q = GGMLQuantizationType
 QK_K = 256
@@ -241,6 +242,148 @@ def _mxfp4(b):
     return lax.bitcast_convert_type(jnp.where(e < 2, tiny, normal), jnp.float32)
 
 
+def _tq1_0(b):
+    n = b.shape[0]
+    qs, qh, d = b[:, :48], b[:, 48:52], _f16(b[:, 52:54])
+    # Base-3 digits: multiplying a byte by 3^i (mod 256) brings digit i to the top; (x * 3) >> 8 reads it.
+    pow3 = jnp.asarray([1, 3, 9, 27, 81], jnp.uint8).reshape(1, 1, 5, 1)
+    q0 = (qs[:, :32].reshape(n, 1, 1, 32) * pow3).reshape(n, -1)
+    q1 = (qs[:, 32:].reshape(n, 1, 1, 16) * pow3).reshape(n, -1)
+    q2 = (qh.reshape(n, 1, 1, 4) * pow3[:, :, :4]).reshape(n, -1)
+    q = jnp.concatenate([q0, q1, q2], axis=-1).astype(jnp.uint16)
+    q = ((q * 3) >> 8).astype(jnp.int32) - 1
+    return d * q.astype(jnp.float32)
+
+
+def _tq2_0(b):
+    d = _f16(b[:, 64:66])
+    q = _unpack(b[:, :64], 32, 4, 2).astype(jnp.int32) - 1
+    return d * q.astype(jnp.float32)
+
+
+def _ue4m3_half(x: jax.Array) -> jax.Array:
+    """NVFP4's unsigned E4M3 scale bytes (bias 7) -> float32, halved (the doubled e2m1 convention).
+
+    0x00 and 0x7F decode to 0. The powers of two are built from exponent bits (exact, as numpy's)."""
+    e = (x.astype(jnp.int32) >> 3) & 0xF
+    man = (x & 7).astype(jnp.float32)
+    sub = man * jnp.float32(2.0 ** -9)
+    pow2 = lax.bitcast_convert_type((e - 7 + 127) << 23, jnp.float32)
+    raw = jnp.where(e == 0, sub, (jnp.float32(1.0) + man / jnp.float32(8.0)) * pow2)
+    return jnp.where((x == 0) | (x == 0x7F), jnp.float32(0.0), raw * jnp.float32(0.5))
+
+
+def _nvfp4(b):
+    n = b.shape[0]
+    d = _ue4m3_half(b[:, :4]).reshape(n, 4, 1)
+    qs = b[:, 4:].reshape(n, 4, 8)
+    k = _lut16(jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1), _KVALUES_MXFP4)
+    return (d * k.astype(jnp.float32)).reshape(n, 64)
+
+
+def _table(qtype) -> jax.Array:
+    return jnp.asarray(iq_grids.grid(qtype))
+
+
+def _sign_bits(x: jax.Array) -> jax.Array:
+    """Bytes [...] -> float32 [..., 8] of +1 / -1 per bit (bit i set: -1), lowest bit first."""
+    bits = (x[..., None] >> jnp.arange(8, dtype=x.dtype)) & 1
+    return jnp.where(bits == 0, jnp.float32(1), jnp.float32(-1))
+
+
+def _ksigns(idx: jax.Array) -> jax.Array:
+    """7-bit sign indices -> float32 [..., 8] signs through ggml's ksigns_iq2xs table."""
+    return _sign_bits(jnp.take(jnp.asarray(iq_grids.KSIGNS), idx.astype(jnp.int32), axis=0))
+
+
+def _nibbles(x: jax.Array) -> jax.Array:
+    """[n, k] bytes -> [n, 2k]: each byte's low nibble, then its high nibble."""
+    return _unpack(x, 1, 2, 4)
+
+
+def _iq2_xxs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    aux = _u32(b[:, 2:]).reshape(n, 8, 2)
+    db = (d * (jnp.float32(0.5) + (aux[..., 1] >> 28).astype(jnp.float32)) * jnp.float32(0.25)).reshape(n, 8, 1, 1)
+    signs = _ksigns((aux[..., 1:2] >> jnp.asarray([0, 7, 14, 21], jnp.uint32)) & 0x7F)  # [n, 8, 4, 8]
+    grid = jnp.take(_table(Q.IQ2_XXS), b[:, 2:].reshape(n, 8, 8)[..., :4].astype(jnp.int32), axis=0)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq2_xs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs = _u16(b[:, 2:66])  # [n, 32]
+    sc = _nibbles(b[:, 66:74]).astype(jnp.float32)
+    db = (d * (jnp.float32(0.5) + sc) * jnp.float32(0.25)).reshape(n, 16, 1, 1)
+    signs = _ksigns(qs >> 9).reshape(n, 16, 2, 8)
+    grid = jnp.take(_table(Q.IQ2_XS), (qs & 511).astype(jnp.int32), axis=0).reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq2_s(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs, sb, qh, scales = b[:, 2:34], b[:, 34:66], b[:, 66:74], b[:, 74:82]
+    db = (d * (jnp.float32(0.5) + _nibbles(scales).astype(jnp.float32)) * jnp.float32(0.25)).reshape(n, 16, 1, 1)
+    signs = _sign_bits(sb).reshape(n, 16, 2, 8)
+    idx = qs.astype(jnp.int32) | (_unpack(qh, 1, 4, 2).astype(jnp.int32) << 8)
+    grid = jnp.take(_table(Q.IQ2_S), idx, axis=0).reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq3_xxs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs, aux = b[:, 2:66], _u32(b[:, 66:98])  # aux [n, 8]
+    db = (d * (jnp.float32(0.5) + (aux >> 28).astype(jnp.float32)) * jnp.float32(0.5)).reshape(n, 8, 1, 1)
+    signs = _ksigns((aux[..., None] >> jnp.asarray([0, 7, 14, 21], jnp.uint32)) & 0x7F)  # [n, 8, 4, 8]
+    grid = jnp.take(_table(Q.IQ3_XXS), qs.astype(jnp.int32), axis=0).reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq3_s(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs, qh, sb, scales = b[:, 2:66], b[:, 66:74], b[:, 74:106], b[:, 106:110]
+    db = (d * (1 + 2 * _nibbles(scales).astype(jnp.int32)).astype(jnp.float32)).reshape(n, 8, 1, 1)
+    signs = _sign_bits(sb).reshape(n, 8, 4, 8)
+    idx = qs.astype(jnp.int32) | (_unpack(qh, 1, 8, 1).astype(jnp.int32) << 8)
+    grid = jnp.take(_table(Q.IQ3_S), idx, axis=0).reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+_IQ1_DELTA = 0.125  # ggml's IQ1S_DELTA / IQ1M_DELTA
+
+
+def _iq1_s(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs, qh = b[:, 2:34], _u16(b[:, 34:50])  # qh [n, 8]
+    dl = (d * (2 * ((qh >> 12) & 7).astype(jnp.int32) + 1).astype(jnp.float32)).reshape(n, 8, 1, 1)
+    delta = jnp.where((qh & 0x8000) == 0, jnp.float32(_IQ1_DELTA), jnp.float32(-_IQ1_DELTA)).reshape(n, 8, 1, 1)
+    hi = (qh[..., None] >> jnp.asarray([0, 3, 6, 9], jnp.uint16)) & 7
+    idx = qs.astype(jnp.int32) | (hi.reshape(n, 32).astype(jnp.int32) << 8)
+    grid = jnp.take(_table(Q.IQ1_S), idx, axis=0).reshape(n, 8, 4, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
+def _iq1_m(b):
+    n = b.shape[0]
+    qs, qh, sc = b[:, :32], b[:, 32:48], _u16(b[:, 48:56])  # sc [n, 4]
+    # The f16 super-block scale is spread over the top nibbles of the four scale words.
+    d16 = ((sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00) | (sc[:, 3] & 0xF000))
+    d = lax.bitcast_convert_type(d16, jnp.float16).astype(jnp.float32).reshape(n, 1)
+    s = (sc[..., None] >> jnp.asarray([0, 3, 6, 9], jnp.uint16)) & 7
+    dl = (d * (2 * s.reshape(n, 16).astype(jnp.int32) + 1).astype(jnp.float32)).reshape(n, 8, 2, 1, 1)
+    h = _nibbles(qh)  # [n, 32]: per qs byte, its 4-bit high part (3 index bits + the delta sign)
+    idx = qs.astype(jnp.int32) | ((h & 7).astype(jnp.int32) << 8)
+    delta = jnp.where((h & 8) == 0, jnp.float32(_IQ1_DELTA), jnp.float32(-_IQ1_DELTA)).reshape(n, 8, 2, 2, 1)
+    grid = jnp.take(_table(Q.IQ1_S), idx, axis=0).reshape(n, 8, 2, 2, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
 _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     Q.F32: _f32,
     Q.F16: _f16,
@@ -258,7 +401,18 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[jax.Array], jax.Array]] = {
     Q.IQ4_NL: _iq4_nl,
     Q.IQ4_XS: _iq4_xs,
     Q.MXFP4: _mxfp4,
+    Q.TQ1_0: _tq1_0,
+    Q.TQ2_0: _tq2_0,
+    Q.IQ1_S: _iq1_s,
+    Q.IQ1_M: _iq1_m,
+    Q.IQ2_XXS: _iq2_xxs,
+    Q.IQ2_XS: _iq2_xs,
+    Q.IQ2_S: _iq2_s,
+    Q.IQ3_XXS: _iq3_xxs,
+    Q.IQ3_S: _iq3_s,
 }
+if hasattr(Q, "NVFP4") and Q.NVFP4 in GGML_QUANT_SIZES:  # gguf >= 0.18 knows NVFP4
+    _DECODERS[Q.NVFP4] = _nvfp4
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DECODERS)
 

@@ -5,6 +5,10 @@ length, count and offset is checked against the file size before it is used: a t
 file raises `GGUFError` naming the file and what is wrong, never an IndexError, a MemoryError from a
 giant allocation, or a hang. Tensor data is never read: `raw(name)` returns a numpy view into a
 read-only mmap, so opening a 20 GB file costs only its header.
+
+A split GGUF (`NAME-00001-of-0000N.gguf`, see `split.py`) opens from any of its parts: every part is
+mapped read-only on its own and checked, and the file presents the first part's metadata and one
+tensor table over all parts.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from sharpi_jax.errors import GGUFError, UnsupportedQuantError
+from sharpi_jax.gguf import split
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -48,8 +53,9 @@ class TensorInfo:
     name: str
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order (reverse of ggml ne)
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in the file (in its part, for a split GGUF)
     nbytes: int
+    part: int = 0  # which part of a split GGUF holds the data (0 for a single file)
 
     @property
     def ggml_shape(self) -> tuple[int, ...]:
@@ -139,7 +145,8 @@ class GGUFFile:
     Use as a context manager or call `close()`. Views returned by `raw()` keep the mapping alive.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, single_part: bool = False):
+        """Open `path`; a part of a split GGUF opens the whole set unless `single_part`."""
         self.path = Path(path)
         self.source = str(self.path)
         fd = self._open_regular_file()
@@ -164,6 +171,47 @@ class GGUFFile:
             self.close()
             raise
         buf.release()
+        self._maps, self._sizes = [self._mmap], [size]  # one mapping per part
+        self.parts = [self.source]
+        try:
+            if not single_part and split.split_count(self.metadata, self.source) > 1:
+                self._join_parts()
+        except BaseException:
+            self.close()
+            raise
+
+    def _join_parts(self) -> None:
+        """Open every part of the split set (each its own read-only mmap) and merge their tensor tables."""
+        paths = split.part_paths(self.path, self.metadata)
+        parts: list[GGUFFile] = []
+        try:
+            for i, p in enumerate(paths):
+                part = GGUFFile(p, single_part=True)
+                parts.append(part)
+                split.check_part(part.metadata, i, len(paths), part.source)
+            tensors: dict[str, TensorInfo] = {}
+            for i, part in enumerate(parts):
+                for name, t in part.tensors.items():
+                    if name in tensors:
+                        raise GGUFError(f"{part.source}: tensor {name!r} is also in part "
+                                        f"{tensors[name].part + 1}")
+                    tensors[name] = dataclasses.replace(t, part=i)
+            split.check_tensor_count(parts[0].metadata, len(tensors), [q.source for q in parts])
+        except BaseException:
+            for part in parts:
+                part.close()
+            raise
+        self._mmap.close()
+        first = parts[0]
+        self.metadata, self.version, self.tensors = first.metadata, first.version, tensors
+        self.alignment, self.data_offset = first.alignment, first.data_offset
+        self._maps = [q._mmap for q in parts]
+        self._sizes = [q.file_size for q in parts]
+        self._mmap = self._maps[0]
+        for q in parts:
+            q._mmap = None  # the maps now belong to this file
+        self.parts = [q.source for q in parts]
+        self.file_size = sum(self._sizes)
 
     def _open_regular_file(self) -> int:
         """A read-only descriptor of the path, or a one-line GGUFError: missing, a directory (Linux opens
@@ -302,7 +350,7 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only zero-copy uint8 array of `TensorInfo.byte_shape`."""
         t = self.tensor(name)
-        return np.frombuffer(self._mmap, dtype=np.uint8, count=t.nbytes, offset=t.offset).reshape(t.byte_shape)
+        return np.frombuffer(self._maps[t.part], dtype=np.uint8, count=t.nbytes, offset=t.offset).reshape(t.byte_shape)
 
     def array(self, name: str) -> np.ndarray:
         """A float tensor (F32/F16/BF16-free of blocks) as a zero-copy typed view; others: see dequantize."""
@@ -322,28 +370,38 @@ class GGUFFile:
         return quants.dequantize(self.raw(name), t.qtype, t.shape, name=f"{self.source}:{name}")
 
     def offset_of(self, view: np.ndarray) -> int:
-        """The file offset of the first byte of a view returned by `raw()` (or a slice of one)."""
-        base = np.frombuffer(self._mmap, np.uint8).ctypes.data
-        off = view.ctypes.data - base
-        if not 0 <= off < self.file_size:
-            raise ValueError(f"{self.source}: the array is not a view of this file's mapping")
-        return int(off)
+        """The file offset of the first byte of a view returned by `raw()` (or a slice of one). For a
+        split GGUF, offsets run over the parts end to end (part i's bytes start at the sizes before it)."""
+        start = 0
+        for m, size in zip(self._maps, self._sizes):
+            off = view.ctypes.data - np.frombuffer(m, np.uint8).ctypes.data
+            if 0 <= off < size:
+                return int(start + off)
+            start += size
+        raise ValueError(f"{self.source}: the array is not a view of this file's mapping")
 
     def advise_willneed(self, offset: int, length: int) -> None:
-        """Hint the kernel to prefetch a byte range (used when streaming cold experts)."""
-        if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
-            page = mmap.PAGESIZE
-            start = offset // page * page
-            self._mmap.madvise(mmap.MADV_WILLNEED, start, min(length + offset - start, self.file_size - start))
+        """Hint the kernel to prefetch a byte range (an `offset_of` offset; used when streaming cold
+        experts)."""
+        for m, size in zip(self._maps, self._sizes):
+            if offset < size:
+                if hasattr(m, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+                    page = mmap.PAGESIZE
+                    start = offset // page * page
+                    m.madvise(mmap.MADV_WILLNEED, start, min(length + offset - start, size - start))
+                return
+            offset -= size
 
     def close(self) -> None:
-        m = getattr(self, "_mmap", None)
-        if m is not None:
-            try:
-                m.close()
-            except BufferError:
-                pass  # numpy views still alive: the mapping closes when they go
-            self._mmap = None  # type: ignore[assignment]
+        maps = getattr(self, "_maps", None) or [getattr(self, "_mmap", None)]
+        for m in maps:
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # numpy views still alive: the mapping closes when they go
+        self._mmap = None  # type: ignore[assignment]
+        self._maps = []
 
     def __enter__(self) -> "GGUFFile":
         return self

@@ -41,6 +41,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sharpi_jax.errors import GGUFError, InputError
+from sharpi_jax.gguf import chat
 
 # llama.cpp token types (enum llama_token_type / gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -110,6 +111,7 @@ class Tokenizer:
         self._token_to_id = {t: i for i, t in enumerate(tokens)}  # duplicates: last wins, as llama.cpp
         self.pre, self.model = pre, model
         self._eos_id, self._bos_id, self._pad_id, self.add_bos = eos_id, bos_id, pad_id, add_bos
+        self.chat_template: str | None = None  # the GGUF's tokenizer.chat_template (Jinja), if any
 
     # ----- construction -----
 
@@ -177,7 +179,7 @@ class Tokenizer:
             pre = required("tokenizer.ggml.pre")
             if pre not in PRE_TOKENIZER_REGEXES:
                 raise _unsupported("tokenizer.ggml.pre", pre, PRE_TOKENIZER_REGEXES)
-            return cls.from_vocab(
+            tok = cls.from_vocab(
                 tokens=list(required("tokenizer.ggml.tokens")),
                 merges=list(required("tokenizer.ggml.merges")),
                 token_types=fields.get("tokenizer.ggml.token_type"),
@@ -187,6 +189,11 @@ class Tokenizer:
                 pad_id=fields.get("tokenizer.ggml.padding_token_id"),
                 add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
             )
+            template = fields.get(chat.CHAT_TEMPLATE_KEY)
+            if template is not None and not isinstance(template, str):
+                raise GGUFError(f"{chat.CHAT_TEMPLATE_KEY} must be a string, got {type(template).__name__}")
+            tok.chat_template = template
+            return tok
         except GGUFError as e:
             if where and not str(e).startswith(where):
                 raise GGUFError(f"{where}{e}") from None
@@ -269,6 +276,21 @@ class Tokenizer:
                 raise InputError("add_bos requested but the vocab has no BOS token")
             ids.insert(0, self._bos_id)
         return ids
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                            tokenize: bool = False, chat_template: str | None = None, **kwargs: Any) -> str | list[int]:
+        """The prompt text for chat `messages`, rendered from the file's chat template (or `chat_template`)
+        in a sandboxed Jinja environment as transformers renders it (`sharpi_jax.gguf.chat`). Extra
+        keywords are template variables (tools=[...], enable_thinking=False for Qwen3.5's switch).
+        tokenize=True: the ids of that text, its special tokens parsed (`encode(parse_special=True)`)."""
+        source = self.chat_template if chat_template is None else chat_template
+        if not source:
+            raise InputError("this GGUF has no tokenizer.chat_template: pass chat_template=TEXT")
+        special = {k: self.id_to_token(i) for k, i in (("bos_token", self._bos_id), ("eos_token", self._eos_id),
+                                                        ("pad_token", self._pad_id)) if i is not None}
+        text = chat.render(source, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=special, **kwargs)
+        return self.encode(text, parse_special=True) if tokenize else text
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Text of `ids`. Control tokens are kept as their text unless skip_special (which also drops

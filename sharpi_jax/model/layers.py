@@ -1,5 +1,5 @@
-"""Basic layers: Linear (weights as QTensors), RMSNorm, partial NEOX rope, SwiGLU, and the GGUF block
-storage the routed experts keep (`QuantBlocks`).
+"""Basic layers: Linear (weights as QTensors), RMSNorm, partial NEOX rope, SwiGLU, and the variable
+kind of routed-expert stacks (`QuantBlocks`).
 
 A Linear's weight is the GGUF matrix `[out, in]` held as a tuple of QTensors stacked along the
 outputs (a fused projection whose parts have different ggml types keeps one QTensor per run of equal
@@ -13,28 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-from sharpi_jax.gguf.quants import dequantize_blocks
 from sharpi_jax.quant import QTensor, matmul
 
 
 class QuantBlocks(nnx.Variable):
-    """Weights kept in (a form of) their GGUF storage: raw block rows, SoA fields or float experts."""
-
-
-def blocks_shape(shape: tuple[int, ...], qtype: int) -> tuple[int, ...]:
-    """uint8 shape holding a tensor of numpy `shape` in ggml type `qtype`."""
-    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    return (*shape[:-1], shape[-1] // bs * ts)
-
-
-def dequantize_rows(raw: jax.Array, qtype: int, n_cols: int) -> jax.Array:
-    """uint8 [..., row_bytes] -> float32 [..., n_cols]; exact (bitwise gguf.quants)."""
-    qt = GGMLQuantizationType(qtype)
-    bs, ts = GGML_QUANT_SIZES[qt]
-    lead = raw.shape[:-1]
-    return dequantize_blocks(raw.reshape(*lead, n_cols // bs, ts), qt).reshape(*lead, n_cols)
+    """A routed-expert stack: a QTensor [E, rows, cols] in its backend's layout (not trained)."""
 
 
 def float_weight(w_in_out: jax.Array) -> tuple[QTensor]:

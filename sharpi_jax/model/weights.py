@@ -70,7 +70,7 @@ def _matrix(fmt: MatrixFormat, *sources: tuple[int, np.ndarray, int]) -> tuple[Q
     out = []
     for qtype, raws, cols in runs:
         raw = raws[0] if len(raws) == 1 else np.concatenate(raws, axis=0)
-        out.append(pack_rows(raw, qtype, cols, fmt.layout(qtype, (raw.shape[0], cols))))
+        out.append(fmt.pack_rows(raw, qtype, cols))
     return tuple(out)
 
 

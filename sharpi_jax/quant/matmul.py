@@ -1,17 +1,19 @@
-"""One matmul over QTensors, with backends (the tokamax shape: a reference and one file's worth per backend).
+"""One matmul over QTensors, dispatched through the kernel-backend registry; `MatrixFormat`, how a
+loader holds every matrix (and every routed-expert stack) for a backend.
 
 `matmul(x, w)` computes `x @ W.T` for activations x float32 [M, K] and a QTensor W of logical shape
-[N, K] (a GGUF matrix: one row per output), returning float32 [M, N]. The computation follows the
-tensor's layout, and the layout is chosen once at load by the kernel backend (`weight_layout`):
+[N, K] (a GGUF matrix: one row per output), returning float32 [M, N], by the backend that laid W out
+(`QTensor.kernels`). Backends (`sharpi_jax.quant.backends`, one module each):
 
-| kernels     | float (F32/F16/BF16)            | quantized blocks                                      |
-|-------------|---------------------------------|-------------------------------------------------------|
+| kernels     | float (F32/F16/BF16)             | quantized blocks                                      |
+|-------------|----------------------------------|-------------------------------------------------------|
 | "reference" | f32 dot on the exact values      | dequantize exactly in the step, f32 dot               |
 | "xla"       | f32 dot (BF16: bf16 x bf16 -> f32)| SoA (Q8_0/Q4_K) or blocks, dequantized in the step;  |
 |             |                                  | repack="int8"/"auto": int8 rows, two-plane int8 dot   |
-| "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K); others: dequantize + dot |
+| "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K); others: the reference |
 
-"auto" is "pallas" on a GPU and "xla" elsewhere. On CPU the Pallas kernel runs in interpret mode (tests).
+"auto" is the highest-ranked registered backend for the platform: "pallas" on a GPU, "xla" elsewhere.
+On CPU the Pallas kernel runs in interpret mode (tests).
 
 Bit parity between a row computed alone and in a batch (what batched verify == sequential decode
 rests on): the float paths need M >= 2 rows (XLA:CPU lowers M = 1 to a different kernel; callers pad a
@@ -26,172 +28,79 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import grouped_matmul as gm
-from sharpi_jax.config import KERNELS, REPACKS
 from sharpi_jax.errors import InputError
-from sharpi_jax.quant.qtensor import FLOAT_TYPES, KERNEL_TYPES, SOA_TYPES, QTensor, Q
+from sharpi_jax.quant import registry
+from sharpi_jax.quant.backends.reference import reference_matmul
+from sharpi_jax.quant.qtensor import QTensor, abstract, pack, pack_rows
 
-BACKENDS = ("xla", "pallas", "reference")
-PALLAS_BLOCK_M = 16
-PALLAS_BLOCK_N = 64
-
-
-def resolve_kernels(kernels: str, platform: str | None = None) -> str:
-    """"auto" -> "pallas" on a GPU, "xla" elsewhere; other names are checked and returned."""
-    if kernels not in KERNELS:
-        raise InputError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels != "auto":
-        return kernels
-    platform = platform or jax.default_backend()
-    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
-
-
-def pallas_fits(shape: tuple[int, ...]) -> bool:
-    """Whether the Triton kernel takes a [N, K] matrix: N a multiple of a power-of-two column tile."""
-    n, k = shape[-2], shape[-1]
-    return k % 32 == 0 and _block_n(n) is not None
-
-
-def _block_n(n: int) -> int | None:
-    for b in (PALLAS_BLOCK_N, 32, 16):
-        if n % b == 0:
-            return b
-    return None
-
-
-# repack="auto": int8 for quantized matrices of at least this many weights (an LM head, a 35B-A3B
-# layer's attention / GDN projections) on XLA:CPU, where dequantizing them in every step would dominate
-# decode; smaller matrices (and every matrix of a small model) keep their exact GGUF encoding.
-INT8_AUTO_MIN_WEIGHTS = 1 << 22
+__all__ = ["MatrixFormat", "matmul", "reference_matmul", "weight_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MatrixFormat:
-    """How a loader holds model matrices: the resolved kernel backend and an explicit repacking."""
+    """How a loader holds model matrices: the resolved kernel backend and an explicit repacking.
+
+    A matrix or expert stack whose type the backend does not serve is held by its fallback backend
+    (`registry.serving`); the three matrices of one layer's routed experts share one backend."""
 
     backend: str = "xla"
     repack: str | None = "auto"
 
     def __post_init__(self):
-        weight_layout(self.backend, 0, (1, 1), self.repack)  # validates the combination
+        registry.check_repack(self.backend, self.repack)
+
+    def backend_for(self, qtype: int, shape: tuple[int, ...]) -> str:
+        """The backend that holds and computes a tensor of this type and shape."""
+        return registry.serving(self.backend, qtype, shape).name
 
     def layout(self, qtype: int, shape: tuple[int, ...]) -> str:
-        return weight_layout(self.backend, qtype, shape, self.repack)
+        """The layout of a [rows, cols] matrix (or an [E, rows, cols] expert stack)."""
+        b = registry.serving(self.backend, qtype, shape)
+        return b.layout(qtype, shape, self.repack if self.repack in b.repacks else None)
+
+    def _layout(self, backend: str | None, qtype: int, shape: tuple[int, ...]) -> tuple[str, str]:
+        b = registry.get(backend or self.backend_for(qtype, shape))
+        return b.name, b.layout(qtype, shape, self.repack if self.repack in b.repacks else None)
+
+    def pack(self, raw, qtype: int, shape: tuple[int, ...], backend: str | None = None) -> QTensor:
+        """GGUF bytes uint8 [..., rows, row_bytes] -> a QTensor laid out for `backend` (default: the
+        one `backend_for` names), jittable."""
+        name, layout = self._layout(backend, qtype, shape)
+        return pack(raw, qtype, shape, layout, name)
+
+    def abstract(self, qtype: int, shape: tuple[int, ...], backend: str | None = None) -> QTensor:
+        """`pack`'s result as ShapeDtypeStructs (nothing read or allocated)."""
+        name, layout = self._layout(backend, qtype, shape)
+        return abstract(qtype, shape, layout, name)
+
+    def pack_rows(self, raw, qtype: int, cols: int) -> QTensor:
+        """Host GGUF rows uint8 [rows, row_bytes] -> a device QTensor [rows, cols] (`qtensor.pack_rows`)."""
+        shape = (raw.shape[0], cols)
+        b = self.backend_for(qtype, shape)
+        return pack_rows(raw, qtype, cols, self.layout(qtype, shape), b)
+
+    def experts_backend(self, qtypes: tuple[int, ...], shapes: tuple[tuple[int, ...], ...]) -> str:
+        """The backend of one layer's routed-expert stacks (gate, up, down): the first in this format's
+        fallback chain that serves all three (one grouped op computes them together)."""
+        b = registry.get(self.backend)
+        seen = [b.name]
+        while not all(b.serves(q, s) for q, s in zip(qtypes, shapes)):
+            if b.fallback is None or b.fallback in seen:
+                raise InputError(f"no kernel backend in {seen} serves expert types {tuple(qtypes)}")
+            b = registry.get(b.fallback)
+            seen.append(b.name)
+        return b.name
 
 
 def weight_layout(backend: str, qtype: int, shape: tuple[int, ...], repack: str | None = None) -> str:
-    """The layout a [N, K] matrix of ggml type `qtype` is held in for `backend` (resolved, not "auto").
-
-    Without `repack` every matrix keeps its GGUF encoding ("soa" is the same bytes split per field).
-    repack="int8" (backend "xla" only) re-quantizes quantized matrices to int8 with one scale per row:
-    lossy (|error| <= max|row| / 254 per weight), 1 byte per weight, for XLA:CPU's integer dot.
-    repack="auto": "int8" for quantized matrices of >= INT8_AUTO_MIN_WEIGHTS weights on "xla", no
-    repacking otherwise (and on the other backends).
-    """
-    qt = Q(qtype)
-    if backend not in BACKENDS:
-        raise InputError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
-    if repack not in REPACKS:
-        raise InputError(f"repack must be one of {REPACKS}, got {repack!r}")
-    if repack == "int8" and backend != "xla":
-        raise InputError(f"repack={repack!r} is an XLA:CPU layout; it does not combine with kernels={backend!r}")
-    if backend == "pallas" and qt in KERNEL_TYPES and pallas_fits(shape):
-        return "kernel"
-    if qt in FLOAT_TYPES:
-        return "float_t"
-    n_weights = shape[-2] * shape[-1]
-    if backend == "xla" and (repack == "int8" or (repack == "auto" and n_weights >= INT8_AUTO_MIN_WEIGHTS)):
-        return "int8"
-    if backend == "xla" and qt in SOA_TYPES:
-        return "soa"
-    return "blocks"
-
-
-def quantize_rows_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-row symmetric int8 quantization: x [M, K] -> (q int8 [M, K], s float32 [M, 1]), x ~= q * s
-    with |x - q * s| <= s / 2. Row-local, so row-stable."""
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    inv = jnp.where(amax > 0, jnp.float32(127.0) / jnp.where(amax > 0, amax, 1.0), 0.0)
-    q = jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8)
-    return q, amax / jnp.float32(127.0)
-
-
-def _contract_last(x: jax.Array, w: jax.Array, out=None) -> jax.Array:
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out)
-
-
-def _matmul_int8(x: jax.Array, data) -> jax.Array:
-    """Activations in two int8 planes (x ~= q1 * s1 + q2 * s2, q2 quantizing the residual: error <=
-    max|row| / 64516), stacked as 2M rows of ONE integer dot so the weights are read once; exact int32
-    accumulation (|acc| <= 127 * 127 * K < 2^31 for K < 133k), then elementwise float32 scaling. A
-    single plane would round activations to 1/254 of their row maximum, which outlier channels of real
-    hidden states make coarse; the second plane costs no extra weight traffic."""
-    m = x.shape[0]
-    q1, s1 = quantize_rows_int8(x)
-    q2, s2 = quantize_rows_int8(x - q1.astype(jnp.float32) * s1)
-    acc = _contract_last(jnp.concatenate([q1, q2]), data["q"], jnp.int32).astype(jnp.float32)
-    sw = data["s"][:, 0][None, :]
-    return acc[:m] * (s1 * sw) + acc[m:] * (s2 * sw)
-
-
-def _matmul_kernel(x: jax.Array, w: QTensor, interpret: bool | None) -> jax.Array:
-    m = x.shape[0]
-    bm = PALLAS_BLOCK_M
-    n_tiles = -(-m // bm)
-    xp = jnp.zeros((n_tiles * bm, x.shape[1]), jnp.float32).at[:m].set(x)
-    weights = jax.tree.map(lambda a: a[None], w.data)  # one group
-    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    y = gm.grouped_matmul(xp, weights, jnp.zeros((n_tiles,), jnp.int32), qtype=KERNEL_TYPES[Q(w.qtype)],
-                          block_m=bm, block_n=_block_n(w.rows), interpret=interpret)
-    return y[:m]
+    """The layout a [N, K] matrix of ggml type `qtype` is held in for `backend` (resolved, not "auto")."""
+    return MatrixFormat(registry.get(backend).name, repack).layout(qtype, shape)
 
 
 def matmul(x: jax.Array, w: QTensor, *, interpret: bool | None = None) -> jax.Array:
-    """x float32 [M, K] @ W.T for W a QTensor [N, K] -> float32 [M, N] (jittable; see module doc)."""
+    """x float32 [M, K] @ W.T for W a QTensor [N, K] -> float32 [M, N] (jittable), by W's backend.
+    interpret: run a Pallas kernel in interpret mode (default: on CPU)."""
     if x.ndim != 2 or len(w.shape) != 2 or x.shape[1] != w.cols:
         raise InputError(f"matmul: x {tuple(x.shape)} and weight {w.shape} do not contract")
-    x = x.astype(jnp.float32)
-    layout = w.layout
-    if layout == "float_t":
-        wt = w.data["w"]
-        if wt.dtype == jnp.float32:
-            return x @ wt
-        if wt.dtype == jnp.bfloat16:  # llama.cpp rounds activations to bf16 for BF16 weights too
-            return jnp.dot(x.astype(jnp.bfloat16), wt, preferred_element_type=jnp.float32)
-        return x @ wt.astype(jnp.float32)
-    if layout == "int8":
-        return _matmul_int8(x, w.data)
-    if layout == "kernel":
-        return _matmul_kernel(x, w, interpret)
-    if layout in ("float", "blocks", "soa"):
-        return _dequantize_matmul(x, w)
-    raise ValueError(f"unknown QTensor layout {layout!r}")
-
-
-DEQUANT_CHUNK_VALUES = 1 << 23  # dequantize at most this many weights at a time inside a step
-
-
-def _n_chunks(n: int, k: int) -> int:
-    """The fewest row chunks, dividing n evenly, of at most DEQUANT_CHUNK_VALUES weights each."""
-    for c in range(max(1, -(-n * k // DEQUANT_CHUNK_VALUES)), n + 1):
-        if n % c == 0:
-            return c
-    return n
-
-
-def _dequantize_matmul(x: jax.Array, w: QTensor) -> jax.Array:
-    """x @ dequantize(W).T. A large matrix (an LM head) is dequantized chunk by chunk of output rows
-    inside a loop, so the step never holds its whole float32 copy (2 GB for a 248k x 2048 head)."""
-    n, k = w.shape
-    c = _n_chunks(n, k)
-    if c == 1:
-        return _contract_last(x, w.dequantize())
-    chunks = jax.tree.map(lambda a: a.reshape(c, n // c, *a.shape[1:]), w.data)
-    part = lambda d: _contract_last(x, QTensor(d, w.qtype, (n // c, k), w.layout).dequantize())  # noqa: E731
-    y = jax.lax.map(part, chunks)  # [c, M, n // c]
-    return jnp.moveaxis(y, 0, 1).reshape(x.shape[0], n)
-
-
-def reference_matmul(x: jax.Array, w: QTensor) -> jax.Array:
-    """The reference every backend is tested against: exact dequantization, float32 dot."""
-    return _contract_last(x.astype(jnp.float32), w.dequantize())
+    options = {} if interpret is None else {"interpret": interpret}
+    return registry.get(w.kernels).matmul(x.astype(jnp.float32), w, **options)

@@ -17,6 +17,10 @@ a matmul contracts (a GGUF row). Layouts, all holding the file's values:
            |error| <= s/2 = max|row|/254). Memory: 1 byte per weight + 4 per row.
 
 `dequantize()` is exact for every layout but "int8" (there it returns the repacked values).
+
+`backend` (static) names the kernel backend that laid the tensor out and computes its products
+(`sharpi_jax.quant.registry`); None: the default owner of its layout (`DEFAULT_BACKEND`).
+A leading axis is allowed: routed experts are stacks [E, rows, cols] (`take(e)` is expert e's matrix).
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ LAYOUTS = ("float", "float_t", "blocks", "soa", "kernel", "int8")
 FLOAT_TYPES = {Q.F32: jnp.float32, Q.F16: jnp.float16, Q.BF16: jnp.bfloat16}
 SOA_TYPES = {Q.Q8_0: "q8_0", Q.Q4_K: "q4_k"}  # the SoA / kernel layouts exist for these block types
 KERNEL_TYPES = {Q.F32: "f32", Q.F16: "f16", **SOA_TYPES}
+# The backend that computes a QTensor built without one (`QTensor.backend` None), by layout.
+DEFAULT_BACKEND = {"float": "reference", "float_t": "xla", "blocks": "reference", "soa": "xla",
+                   "kernel": "pallas", "int8": "xla"}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"],
-                   meta_fields=["qtype", "shape", "layout"])
+                   meta_fields=["qtype", "shape", "layout", "backend"])
 @dataclasses.dataclass(frozen=True)
 class QTensor:
     """A weight tensor in a storage layout (see module doc). `shape` is the logical numpy shape."""
@@ -51,6 +58,12 @@ class QTensor:
     qtype: int
     shape: tuple[int, ...]
     layout: str
+    backend: str | None = None
+
+    @property
+    def kernels(self) -> str:
+        """The backend computing this tensor: `backend`, or its layout's default owner."""
+        return self.backend or DEFAULT_BACKEND[self.layout]
 
     @property
     def ggml_type(self) -> GGMLQuantizationType:
@@ -83,9 +96,16 @@ class QTensor:
         """Sub-tensor(s) along the first axis (an embedding row gather, or one expert's matrix)."""
         if self.layout == "float_t":
             raise ValueError("take() on a transposed float tensor")
-        data = jax.tree.map(lambda a: a[index], self.data)
+        if np.ndim(index) == 0 and not isinstance(index, (int, np.integer)):  # a traced expert id
+            data = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), self.data)
+        else:
+            data = jax.tree.map(lambda a: a[index], self.data)
         lead = tuple(np.shape(index))
-        return QTensor(data, self.qtype, lead + tuple(self.shape[1:]), self.layout)
+        return QTensor(data, self.qtype, lead + tuple(self.shape[1:]), self.layout, self.backend)
+
+    def with_lead(self, n: int) -> "QTensor":
+        """The same arrays with a leading (expert) axis of `n` (a shard's view of a sharded stack)."""
+        return QTensor(self.data, self.qtype, (int(n),) + tuple(self.shape[1:]), self.layout, self.backend)
 
 
 def gguf_nbytes(qtype: int, shape: tuple[int, ...]) -> int:
@@ -94,10 +114,15 @@ def gguf_nbytes(qtype: int, shape: tuple[int, ...]) -> int:
     return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // bs) * ts
 
 
-def abstract(qtype: int, shape: tuple[int, ...], layout: str) -> QTensor:
+def abstract(qtype: int, shape: tuple[int, ...], layout: str, backend: str | None = None) -> QTensor:
     """A QTensor of ShapeDtypeStructs: the skeleton a loader fills (no allocation)."""
     raw = jax.ShapeDtypeStruct(formats.byte_shape(qtype, shape), jnp.uint8)
-    return jax.eval_shape(lambda r: pack(r, qtype, shape, layout), raw)
+    return jax.eval_shape(lambda r: pack(r, qtype, shape, layout, backend), raw)
+
+
+def zeros(qtype: int, shape: tuple[int, ...], layout: str, backend: str | None = None) -> QTensor:
+    """A zero-filled QTensor of that storage (a module's initial value before a loader fills it)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract(qtype, shape, layout, backend))
 
 
 def check_layout(qtype: int, layout: str, name: str = "") -> None:
@@ -114,8 +139,12 @@ def check_layout(qtype: int, layout: str, name: str = "") -> None:
         raise UnsupportedQuantError(f"{where}ggml type {qt.name} has no {layout!r} layout")
 
 
-def pack(raw: jax.Array, qtype: int, shape: tuple[int, ...], layout: str) -> QTensor:
+def pack(raw: jax.Array, qtype: int, shape: tuple[int, ...], layout: str, backend: str | None = None) -> QTensor:
     """GGUF bytes (uint8[..., rows, row_bytes], any leading dims) -> a QTensor in `layout` (jittable)."""
+    return dataclasses.replace(_pack(raw, qtype, shape, layout), backend=backend)
+
+
+def _pack(raw: jax.Array, qtype: int, shape: tuple[int, ...], layout: str) -> QTensor:
     check_layout(qtype, layout)
     qt = Q(qtype)
     shape = tuple(int(s) for s in shape)
@@ -182,14 +211,14 @@ def _int8_chunk(raw: jax.Array, qtype: int, cols: int) -> dict[str, jax.Array]:
     return requantize_int8(_dequantize_blocks(raw, Q(qtype), (raw.shape[0], cols)))
 
 
-def pack_rows(raw: np.ndarray, qtype: int, cols: int, layout: str) -> QTensor:
+def pack_rows(raw: np.ndarray, qtype: int, cols: int, layout: str, backend: str | None = None) -> QTensor:
     """Host GGUF rows uint8 [rows, row_bytes] (e.g. a zero-copy mmap view) -> a device QTensor
     [rows, cols] in `layout`. The "int8" repacking runs in fixed-size row chunks (one compile, peak
     memory one chunk of float32) instead of dequantizing the whole matrix at once."""
     rows = raw.shape[0]
     if layout != "int8" or rows * cols <= CHUNK_VALUES:
-        return jax.jit(pack, static_argnames=("qtype", "shape", "layout"))(
-            jnp.asarray(raw), qtype=int(qtype), shape=(rows, cols), layout=layout)
+        return jax.jit(pack, static_argnames=("qtype", "shape", "layout", "backend"))(
+            jnp.asarray(raw), qtype=int(qtype), shape=(rows, cols), layout=layout, backend=backend)
     check_layout(qtype, layout)
     step = max(1, CHUNK_VALUES // cols)
     q = np.empty((rows, cols), np.int8)
@@ -201,4 +230,4 @@ def pack_rows(raw: np.ndarray, qtype: int, cols: int, layout: str) -> QTensor:
         out = _int8_chunk(buf, qtype=int(qtype), cols=cols)
         q[r0:r0 + n] = np.asarray(out["q"])[:n]
         s[r0:r0 + n] = np.asarray(out["s"])[:n]
-    return QTensor({"q": jnp.asarray(q), "s": jnp.asarray(s)}, int(qtype), (rows, cols), "int8")
+    return QTensor({"q": jnp.asarray(q), "s": jnp.asarray(s)}, int(qtype), (rows, cols), "int8", backend)

@@ -216,7 +216,7 @@ class TreeDecoder:
 
 
 def tree_pass_stats(k: int, passes: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """Stats from (nodes verified, tree depth, accepted) per pass."""
+    """Stats from (nodes verified, tree depth, accepted) per pass; drafted_nodes: the nodes verified, per pass."""
     drafted = sum(n for n, _, _ in passes)
     accepted = sum(a for _, _, a in passes)
     per_depth = []
@@ -225,6 +225,7 @@ def tree_pass_stats(k: int, passes: list[tuple[int, int, int]]) -> dict[str, Any
         per_depth.append(sum(a >= i for a in tried) / len(tried) if tried else 0.0)
     return {
         "drafted": drafted,
+        "drafted_nodes": [n for n, _, _ in passes],
         "accepted": accepted,
         "verify_passes": len(passes),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
@@ -240,7 +241,8 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     """Tree speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
 
     stats: those of `generate_ids` plus speculative ("mtp_tree"), draft_tokens (depth), tree_nodes
-    (after the memory cap), verify, drafted (draft nodes verified), accepted, verify_passes,
+    (after the memory cap: the most a pass drafts), verify, drafted (draft nodes verified), drafted_nodes
+    (the nodes each pass actually drafted and verified, a list), accepted, verify_passes,
     acceptance_rate (accepted / drafted), mean_accept_len (accepted + 1 per trunk pass),
     accept_per_depth (fraction of the passes whose tree reached depth i that accepted >= i tokens),
     snapshot_bytes_per_node, draft_s, verify_s.

@@ -44,6 +44,14 @@ def _train_preset(tmp):
     return tmp / "tiny1.json"
 
 
+def _research_preset(tmp):
+    """The research preset (64 experts top-8) with a 1-layer (attention) trunk, as `_train_preset`."""
+    preset = json.loads((REPO_ROOT / "configs" / "train" / "research.json").read_text())
+    preset["model"].update(n_layer=1, full_attention_interval=1)
+    (tmp / "research1.json").write_text(json.dumps(preset))
+    return tmp / "research1.json"
+
+
 # test name -> (entry point, tmp dir -> argv), longest first (they start in this order).
 COMMANDS = {
     "test_train_tiny": ("train_tiny", lambda t: [
@@ -82,6 +90,14 @@ COMMANDS = {
         "--max_context=64", "--speculative=mtp", "--draft_tokens=2", "--json",
         "--prompt=def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"]),
     "test_generate_snapkv_bad_budget": ("generate", lambda t: ["--kv_policy=snapkv", "--kv_budget=4", "--kv_window=8"]),
+    "test_research_model": ("research_model", lambda t: [
+        f"--config={_research_preset(t)}", "--time_budget_s=0",
+        "--train_flags=--steps=2,--batch_size=2,--seq_len=32,--byte_budget=150000,--sample_tokens=0"]),
+    "test_routing_stats": ("routing_stats", lambda t: [
+        "--model=default", "--tokens=40", "--sequences=2", "--drafts=2", f"--out_dir={t / 'routing'}"]),
+    "test_residency_sim": ("residency_sim", lambda t: [
+        "--model=default", "--tokens=40", "--budgets=0.25,0.5", "--key_budget=0.25", "--drafts=2",
+        f"--out_dir={t / 'sim'}"]),
     "test_info": ("info", lambda t: ["--json"]),
     "test_info_text": ("info", lambda t: []),
     "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
@@ -330,6 +346,43 @@ def test_behaviour_hashes_flags_a_changed_hash(runs, request):
     after = json.loads((tmp / "after.json").read_text())
     assert set(after) == {"logits/tiny-qwen35moe-F32", "mtp_logits/tiny-qwen35moe-F32"}
     assert all(re.fullmatch(r"[0-9a-f]{64}", v) for v in after.values())
+
+
+def test_research_model(runs, request):
+    tmp, res = result(runs, request)
+    ok(res)
+    path = own_lines(res.stdout)[-1]
+    assert path.startswith(str(tmp / "cache" / "research")) and path.endswith("-Q8_0.gguf")
+    with GGUFFile(path) as f:
+        c = read_model_config(f)
+    assert (c.n_expert, c.n_expert_used, c.has_mtp) == (64, 8, True) and c.shared_expert_ff > 0
+
+
+def test_routing_stats(runs, request):
+    tmp, res = result(runs, request)
+    ok(res)
+    data = json.loads((tmp / "routing" / "routing_stats.json").read_text())
+    assert set(data["layers"]) == {"trained", "random"} and data["top_k"] == 4
+    for rows in data["layers"].values():
+        assert [r["layer"] for r in rows] == [0, 1, 2, 3]
+        assert "recall@4" not in rows[0] and all(0 <= r["recall@4"] <= 1 for r in rows[1:])
+        assert all(4 <= r["pass_union"] <= 12 and 0 < r["entropy"] <= 1 for r in rows)
+    assert (tmp / "routing" / "routing_stats.png").stat().st_size > 0
+    assert re.search(r"^trained\s+1\s", res.stdout, re.M) and re.search(r"^random\s+3\s", res.stdout, re.M)
+
+
+def test_residency_sim(runs, request):
+    tmp, res = result(runs, request)
+    ok(res)
+    recs = jsonl(tmp / "sim" / "residency_sim.jsonl")
+    # 2 budgets x (MTP off + 3 advances with MTP) x 3 policies x 2 prefetch sources
+    assert len(recs) == 2 * 4 * 3 * 2
+    for r in recs:
+        assert 0 <= r["demand_mib_per_token"] <= r["total_mib_per_token"] and 0 <= r["hit_rate"] <= 1
+        if r["prefetch"] == "none":
+            assert r["demand_mib_per_token"] == r["total_mib_per_token"]
+    assert len(re.findall(r"^  mtp (off|on) .* -> [\d.]+x", res.stdout, re.M)) == 4
+    assert (tmp / "sim" / "residency_sim.png").stat().st_size > 0
 
 
 def test_every_entry_point_has_a_smoke_test():

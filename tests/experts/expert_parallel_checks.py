@@ -5,8 +5,9 @@
     python -m tests.experts.expert_parallel_checks --devices=4 [--generate=FILE ...] FILE [FILE ...]
 
 Every file: logits bitwise and the bytes each device holds; the files in --generate also: greedy and
-MTP (batched verify) tokens and teacher-forced MTP logits (each file compiles its own graphs: these
-checks cost ~4x the logits check).
+MTP (batched verify, MTP_DRAFTS drafts) tokens over --new_tokens tokens (EOS ignored) and teacher-forced
+MTP logits (each file compiles its own graphs: these checks cost ~4x the logits check). --hlo=FILE:
+the collectives of the compiled expert-parallel MoE layer and trunk pass.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
+
+
+MTP_DRAFTS = 3
 
 
 def _force_devices(n: int) -> None:
@@ -37,9 +42,13 @@ def check_file(path: str, n: int, prompt: str, new_tokens: int, generate: bool) 
     out: dict = {"file": os.path.basename(path), "devices": [str(d) for d in par.mesh.devices.flat]}
     out["logits_bitwise"] = bool(bitwise_equal(par.logits(ids), one.logits(ids)))
     if generate:
-        out["greedy_one"] = one.generate(ids, max_new_tokens=new_tokens).tokens
-        out["greedy_parallel"] = par.generate(ids, max_new_tokens=new_tokens).tokens
-        out["mtp_parallel"] = par.generate(ids, max_new_tokens=new_tokens, speculative="mtp", draft_tokens=2).tokens
+        gen = dict(max_new_tokens=new_tokens, stop_on_eos=False)
+        out["greedy_one"] = one.generate(ids, **gen).tokens
+        out["greedy_parallel"] = par.generate(ids, **gen).tokens
+        mtp = par.generate(ids, **gen, speculative="mtp", draft_tokens=MTP_DRAFTS)
+        out["mtp_parallel"] = mtp.tokens
+        out["mtp_draft_tokens"] = mtp.stats["draft_tokens"]
+        out["mtp_accepted"] = mtp.stats["accepted"]
         out["mtp_logits_bitwise"] = bool(bitwise_equal(par.mtp_logits(ids), one.mtp_logits(ids)))
     # What each device holds: the routed experts split by expert id, every other param in full.
     out["expert_bytes_one"] = sum(parallel.device_bytes(one.model, parallel.is_routed_expert).values())
@@ -68,12 +77,15 @@ def check_dispatch(n: int) -> dict:
 
     from sharpi_jax.experts import parallel
     from sharpi_jax.experts.dispatch import expert_rows
-    from sharpi_jax.experts.expert_weights import ExpertWeights
+    from gguf import GGMLQuantizationType
+
+    from sharpi_jax.testing.experts import expert_stacks, random_expert_bytes
     from tests.bitwise import bitwise_equal
 
     rng = np.random.default_rng(0)
     mesh = parallel.expert_mesh(n)
-    experts = ExpertWeights.random(rng, 2 * n, 256, 256, "q4_k").to_soa()
+    q4_k = int(GGMLQuantizationType.Q4_K)
+    experts = expert_stacks(random_expert_bytes(rng, 2 * n, 256, 256, q4_k), q4_k)
     sharded = jax.device_put(experts, jax.sharding.NamedSharding(mesh, parallel.P(parallel.EXPERT_AXIS)))
     u = jnp.asarray(rng.standard_normal((5, 256), dtype=np.float32))
     # top-3 of the first 2n - 2 experts: the last device owns no routed pair.
@@ -88,18 +100,53 @@ def check_dispatch(n: int) -> dict:
     return out
 
 
+COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                        r"(-start)?\(")
+
+
+def collectives(hlo_text: str) -> list[tuple[str, str]]:
+    """(op, result type) of every collective in compiled HLO text, e.g. ("all-reduce", "s32[5,8,128]{2,1,0}")."""
+    return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo_text)]
+
+
+def check_hlo(path: str, n: int, rows: int = 5) -> dict:
+    """The collectives XLA compiles for an expert-parallel engine: one MoE layer on `rows` rows, and a
+    whole trunk pass (`Transformer.rows`, the verify / decode graph) on `rows` rows."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import sharpi_jax as sj
+
+    par = sj.load(path, max_context=64, expert_parallel=n)
+    c = par.config
+    moe = next(b.ffn for b in par.model.layers if b.is_moe)
+    g, st = nnx.split(moe)
+    u, valid = jnp.ones((rows, c.d_model), jnp.float32), jnp.ones((rows,), bool)
+    layer = jax.jit(lambda st, u, v: nnx.merge(g, st)(u, v)).lower(st, u, valid).compile().as_text()
+    gm, sm = nnx.split(par.model)
+    trunk = jax.jit(lambda sm, state, toks: nnx.merge(gm, sm).rows(state, toks, jnp.int32(0), jnp.int32(rows))[0])
+    text = trunk.lower(sm, par.runtime.new_state(), jnp.zeros((rows,), jnp.int32)).compile().as_text()
+    return {"rows": rows, "k": c.n_expert_used, "d_model": c.d_model,
+            "moe_layers": sum(b.is_moe for b in par.model.layers),
+            "layer": collectives(layer), "trunk": collectives(text)}
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--new_tokens", type=int, default=8)
+    parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--prompt", default="def add(a, b):\n    return")
     parser.add_argument("--generate", action="append", default=[], help="a file that also runs generation")
     parser.add_argument("--dispatch", action="store_true", help="also run `check_dispatch`")
+    parser.add_argument("--hlo", default=None, help="a file whose compiled collectives `check_hlo` reports")
     parser.add_argument("files", nargs="*")
     args = parser.parse_args(argv)
     _force_devices(args.devices)
     if args.dispatch:
         print(json.dumps({"dispatch": check_dispatch(args.devices)}), flush=True)
+    if args.hlo:
+        print(json.dumps({"hlo": check_hlo(args.hlo, args.devices)}), flush=True)
     generate = set(args.generate)
     for path in args.files:
         print(json.dumps(check_file(path, args.devices, args.prompt, args.new_tokens, path in generate)), flush=True)

@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import functools
 
+import dataclasses
+
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from pallas_kernels import quant_blocks as qb
 from sharpi_jax.errors import InputError, SharpiError, UnsupportedQuantError
 from sharpi_jax.experts import dispatch as dp
-from sharpi_jax.experts.expert_weights import ExpertWeights
+from sharpi_jax.quant import MatrixFormat
+from sharpi_jax.testing.experts import expert_stacks, random_expert_bytes
 from tests.bitwise import assert_bitwise_equal
 
 E, F, D = 16, 256, 256  # Q4_K needs rows of 256 in both directions (down's K is F)
@@ -29,9 +34,16 @@ QTYPES = ("f32", "q8_0", "q4_k")
 
 
 @functools.cache
-def _experts(qtype: str, layout: str = "soa") -> ExpertWeights:
-    ew = ExpertWeights.random(np.random.default_rng(sum(map(ord, qtype))), E, F, D, qtype)
-    return ew.to_soa() if layout == "soa" else ew
+def _raw(qtype: str) -> tuple[np.ndarray, ...]:
+    """GGUF bytes of (gate, up, down) for E random experts of one type."""
+    return random_expert_bytes(np.random.default_rng(sum(map(ord, qtype))), E, F, D, int(Q[qtype.upper()]))
+
+
+@functools.cache
+def _experts(qtype: str, kernels: str = "xla"):
+    """QTensor stacks laid out for a backend ("xla": Q8_0 / Q4_K as SoA fields; "reference": the GGUF
+    blocks; "pallas": the kernel layout)."""
+    return expert_stacks(_raw(qtype), int(Q[qtype.upper()]), MatrixFormat(kernels, None))
 
 
 def _routing(rng, n, k, *, experts=None, same_for_all=False):
@@ -46,15 +58,12 @@ def _routing(rng, n, k, *, experts=None, same_for_all=False):
     return jnp.asarray(u), jnp.asarray(sel.astype(np.int32)), jnp.asarray(w)
 
 
-def _gguf_bytes_per_expert(ew: ExpertWeights) -> int:
-    """One expert's bytes in GGUF storage, from gguf-py's block table (independent of ExpertWeights)."""
+def _gguf_bytes_per_expert(ew) -> int:
+    """One expert's bytes in GGUF storage, from gguf-py's block table (independent of the QTensors' arrays)."""
     def matrix(qtype, rows, cols):
-        if qtype == "f32":
-            return rows * cols * 4
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype.upper()]]
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
         return rows * cols // block * size
-    f, d = ew.d_ff, ew.d_model
-    return matrix(ew.gate_qtype, f, d) + matrix(ew.up_qtype, f, d) + matrix(ew.down_qtype, d, f)
+    return sum(matrix(m.qtype, m.shape[1], m.shape[2]) for m in ew)
 
 
 def _assert_parity(ew, u, sel, w, row_kernel="gemm", row_tile=None):
@@ -145,12 +154,16 @@ def test_rows_do_not_depend_on_the_batch():
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k"])
 def test_gguf_and_soa_layouts_give_the_same_bits(qtype):
+    """"reference" holds the experts as GGUF blocks, "xla" as SoA fields: same bytes, same bits."""
     rng = np.random.default_rng(7)
     u, sel, w = _routing(rng, 6, 4)
-    soa = _assert_parity(_experts(qtype, "soa"), u, sel, w)
-    raw = _assert_parity(_experts(qtype, "gguf"), u, sel, w)
+    soa_experts, raw_experts = _experts(qtype, "xla"), _experts(qtype, "reference")
+    assert {m.layout for m in soa_experts} == {"soa"} and {m.layout for m in raw_experts} == {"blocks"}
+    soa = _assert_parity(soa_experts, u, sel, w)
+    raw = _assert_parity(raw_experts, u, sel, w)
     assert_bitwise_equal(raw, soa)
-    assert_bitwise_equal(_experts(qtype, "soa").to_gguf().gate, _experts(qtype, "gguf").gate)
+    assert_bitwise_equal(qb.soa_to_raw(soa_experts[0].data, qtype), raw_experts[0].data["raw"])
+    assert_bitwise_equal(np.asarray(raw_experts[0].data["raw"]), _raw(qtype)[0])
 
 
 def _silu(x):
@@ -161,15 +174,12 @@ def _silu(x):
 def test_matches_float64_numpy_oracle(qtype):
     """Independent truth: gguf.quants dequantization and float64 numpy, one token at a time."""
     rng = np.random.default_rng(8)
-    ew = _experts(qtype, "gguf")
     u, sel, w = _routing(rng, 5, 8)
 
-    def dq(a, n_cols):
-        if qtype == "f32":
-            return np.asarray(a, np.float64)
+    def dq(a):
         return gq.dequantize(np.asarray(a), gguf.GGMLQuantizationType[qtype.upper()]).astype(np.float64)
 
-    wg, wu, wd = dq(ew.gate, D), dq(ew.up, D), dq(ew.down, F)
+    wg, wu, wd = (dq(a) for a in _raw(qtype))
     un, seln, wn = np.asarray(u, np.float64), np.asarray(sel), np.asarray(w, np.float64)
     want = np.zeros((5, D))
     for i in range(5):
@@ -180,13 +190,15 @@ def test_matches_float64_numpy_oracle(qtype):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
-def test_pallas_mode_interpret():
-    """The kernel path (interpret mode) agrees numerically and is batch-invariant bit for bit."""
+def test_pallas_backend_interpret():
+    """Experts laid out for "pallas" (the kernel layout, once) run its grouped op (interpret mode): it
+    agrees numerically and is batch-invariant bit for bit."""
     rng = np.random.default_rng(9)
     ew = _experts("q4_k")
-    packed = dp.pack_expert_weights(ew)
+    packed = _experts("q4_k", "pallas")
+    assert {(m.layout, m.backend) for m in packed} == {("kernel", "pallas")}
     u, sel, w = _routing(rng, 5, 2)
-    run = functools.partial(dp.routed_experts, mode="pallas", interpret=True, block_m=8, block_n=128)
+    run = functools.partial(dp.routed_experts, mode="grouped", interpret=True, block_m=8, block_n=128)
     got, stats = run(u, sel, w, packed, with_stats=True)
     got = np.asarray(got)
     assert not np.isnan(got).any()
@@ -235,10 +247,11 @@ def test_dispatch_stats_and_counts():
 
 
 def test_bytes_per_expert_is_the_storage_size():
+    """GGUF blocks and SoA fields hold exactly the file's bytes (gguf-py's block table)."""
     for qtype in QTYPES:
-        ew = _experts(qtype, "gguf")
-        assert ew.bytes_per_expert * E == sum(a.nbytes for a in jax.tree.leaves(ew))
-        assert _experts(qtype).bytes_per_expert * E == sum(a.nbytes for a in jax.tree.leaves(_experts(qtype)))
+        for kernels in ("reference", "xla"):
+            ew = _experts(qtype, kernels)
+            assert _gguf_bytes_per_expert(ew) * E == sum(m.nbytes for m in ew) == sum(m.gguf_nbytes for m in ew)
 
 
 def test_bytes_counter_is_exact_past_2_gib():
@@ -264,24 +277,24 @@ def test_bad_inputs_raise():
         (dict(w=w[:, :1]), r"shapes: .* w \(2, 1\)"),
         (dict(sel=sel.reshape(-1)), r"sel must be \[N, k\]"),
         (dict(u=u[:, :128]), "u has width 128, experts have d_model 256"),
-        (dict(experts=ExpertWeights(ew.gate, ew.up, ew.down[:, :, :128])), r"expert down \(f32, gguf\)"),
-        (dict(experts=dp.pack_expert_weights(ew)), "takes ExpertWeights, got PackedExpertWeights"),
+        (dict(experts=(ew[0], ew[1], dataclasses.replace(ew[2], shape=(16, 256, 128)))), r"expert down: shape"),
+        (dict(experts={"gate": ew[0]}), r"experts must be \(gate, up, down\) QTensor stacks, got dict"),
+        (dict(experts=ew[:2]), r"experts must be \(gate, up, down\) QTensor stacks, got tuple"),
+        (dict(experts=(ew[0], ew[1], _experts("f32", "pallas")[2])), "one kernel backend"),
+        (dict(mode="pallas"), "mode must be one of"),
     ]
     for kw, msg in cases:
         args = dict(u=u, sel=sel, w=w, experts=ew) | kw
         with pytest.raises(InputError, match=msg):
             dp.routed_experts(args["u"], args["sel"], args["w"], args["experts"], kw.get("mode", "grouped"),
                               **{k: v for k, v in kw.items() if k in ("row_kernel", "row_tile")})
-    bad = ExpertWeights(ew.gate, ew.up, ew.down[:, :, :128])
-    for kw, msg in ((dict(experts=bad), r"expert down \(f32, gguf\)"), (dict(u=u[:, :128]), "u has width 128"),
-                    (dict(experts={"gate": ew.gate}), "'pallas' takes ExpertWeights or PackedExpertWeights, got dict")):
-        args = dict(u=u, experts=ew) | kw
-        with pytest.raises(InputError, match=msg):  # checked before the kernel path packs anything
-            dp.routed_experts(args["u"], sel, w, args["experts"], "pallas", interpret=True)
-    q6 = ExpertWeights(*(np.zeros((E, F, D // 256 * 210), np.uint8) for _ in range(2)),
-                       np.zeros((E, D, F // 256 * 210), np.uint8), "q6_k", "q6_k", "q6_k")
-    with pytest.raises(UnsupportedQuantError, match="kernel reads .* not q6_k"):
-        dp.routed_experts(u, sel, w, q6, "pallas", interpret=True)
+    pal = _experts("f32", "pallas")
+    with pytest.raises(InputError, match="u has width 128"):  # checked before the kernel runs
+        dp.routed_experts(u[:, :128], sel, w, pal, interpret=True)
+    q6 = tuple(np.zeros(s, np.uint8) for s in ((E, F, D // 256 * 210), (E, F, D // 256 * 210), (E, D, F // 256 * 210)))
+    with pytest.raises(UnsupportedQuantError, match="Q6_K has no 'kernel' layout"):  # forced onto the kernel
+        expert_stacks(q6, int(Q.Q6_K), MatrixFormat("pallas", None), backend="pallas")
+    assert {m.kernels for m in expert_stacks(q6, int(Q.Q6_K), MatrixFormat("pallas", None))} == {"reference"}
     for kw in (dict(mode="nope"), dict(row_kernel="fma")):
         with pytest.raises(InputError, match="must be one of"):
             dp.DispatchConfig(**kw)
@@ -314,16 +327,16 @@ def test_dispatch_config_is_the_same_call():
 def test_mixed_qtypes_with_a_q6_k_down():
     """A Q4_K_M-style layer: Q4_K gate/up, Q6_K down (dequantized by sharpi_jax.gguf.quants)."""
     rng = np.random.default_rng(14)
-    base = _experts("q4_k", "gguf")
+    gate, up, _ = _raw("q4_k")
     down = rng.integers(0, 256, size=(E, D, F // 256, 210), dtype=np.uint8)
     down[..., 208:210] = (rng.uniform(0.5, 1.5, (E, D, F // 256, 1)) * 2.0**-10).astype(np.float16).view(np.uint8)
     down = down.reshape(E, D, F // 256 * 210)
-    ew = ExpertWeights(base.gate, base.up, jnp.asarray(down), "q4_k", "q4_k", "q6_k")
-    assert ew.qtype == "q4_k/q4_k/q6_k"
-    ew.validate()
+    qtypes = (int(Q.Q4_K), int(Q.Q4_K), int(Q.Q6_K))
+    ew = expert_stacks((gate, up, down), qtypes, MatrixFormat("xla", None))
+    assert [m.layout for m in ew] == ["soa", "soa", "blocks"]
     u, sel, w = _routing(rng, 9, 8)
-    got = _assert_parity(ew.to_soa(), u, sel, w)
-    wd = gq.dequantize(down, gguf.GGMLQuantizationType.Q6_K).astype(np.float64)
-    dense = ExpertWeights(np.asarray(ew.dequantize().gate), np.asarray(ew.dequantize().up), wd.astype(np.float32))
-    ref = np.asarray(dp.routed_experts(u, sel, w, ExpertWeights(*(jnp.asarray(a) for a in (dense.gate, dense.up, dense.down))), "grouped"))
+    got = _assert_parity(ew, u, sel, w)
+    dense = [gq.dequantize(a, Q(q)).astype(np.float32) for a, q in zip((gate, up, down), qtypes)]
+    f32 = expert_stacks(tuple(d.view(np.uint8).reshape(*d.shape[:-1], -1) for d in dense), int(Q.F32))
+    ref = np.asarray(dp.routed_experts(u, sel, w, f32, "grouped"))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

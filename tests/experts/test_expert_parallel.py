@@ -12,11 +12,13 @@ F32/Q8_0):
   differently; a tolerance would hide a real reordering;
 - each device holds exactly 1/4 of the routed-expert bytes (E/4 experts of every matrix, in their
   storage encoding) and the dense params in full;
-- greedy tokens equal one device's and MTP (batched verify) tokens equal them, teacher-forced MTP
-  logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow tier (each file compiles its
-  own generation graphs, ~25 s of CPU each; the sharded dispatch does not depend on the arch);
+- greedy tokens (32, EOS ignored) equal one device's and MTP (batched verify, 3 drafts) tokens equal
+  them, teacher-forced MTP logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow
+  tier (each file compiles its own generation graphs, ~25 s of CPU each; the sharded dispatch does not
+  depend on the arch);
 - a 2-process `jax.distributed` run of `experiments.generate --expert_parallel=2` (one CPU device per
   process) prints the one-device greedy tokens.
+- the compiled HLO: one all-reduce of int32 [rows, k, D] per MoE layer, no other collective.
 Plus the dispatch itself for both XLA modes and row kernels, and the InputErrors (in-process, 1 device).
 """
 
@@ -62,7 +64,7 @@ def _run_checks(args: list[str]) -> list[dict]:
 def _jobs(generate: list) -> list[list[str]]:
     """Two subprocess argument lists of about equal cost (a file with generation checks costs ~4 logits-only
     files; the dispatch check ~1)."""
-    options, files, costs = [["--dispatch"], []], [[], []], [1, 0]
+    options, files, costs = [["--dispatch", f"--hlo={_path(HLO_FILE)}"], []], [[], []], [2, 0]
     for f in sorted(MOE_FILES, key=lambda f: f not in generate):
         i = costs.index(min(costs))
         options[i] += [f"--generate={_path(f)}"] if f in generate else []
@@ -71,7 +73,8 @@ def _jobs(generate: list) -> list[list[str]]:
     return [o + f for o, f in zip(options, files)]
 
 
-MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
+MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")
+HLO_FILE = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
 
 
 def _free_port() -> int:
@@ -104,6 +107,7 @@ def _results(generate: list, multihost: bool = False) -> dict:
         lines = [ln for out in pool.map(_run_checks, _jobs(generate)) for ln in out]
         by_file = {ln["file"]: ln for ln in lines if "file" in ln}
         by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
+        by_file["hlo"] = next(ln["hlo"] for ln in lines if "hlo" in ln)
         by_file["multihost"] = two.result() if two else None
     return by_file
 
@@ -138,10 +142,26 @@ def test_each_device_holds_only_its_experts(results, f):
 
 
 def _check_generation(r: dict) -> None:
-    assert len(r["greedy_one"]) > 0
+    """>= 32 greedy tokens (EOS ignored); MTP with 3 drafts (some accepted, so verify rows and rollback
+    run sharded) gives the same tokens."""
+    assert len(r["greedy_one"]) >= 32
     assert r["greedy_parallel"] == r["greedy_one"]
     assert r["mtp_parallel"] == r["greedy_one"]
+    assert r["mtp_draft_tokens"] == 3 and r["mtp_accepted"] > 0
     assert r["mtp_logits_bitwise"]
+
+
+def test_compiled_collectives_are_one_psum_of_4kd_bytes_per_token_per_moe_layer(results):
+    """The compiled HLO (XLA:CPU, 4 devices) of the expert-parallel MoE layer holds exactly one collective,
+    an all-reduce of int32 [rows, k, D] (4*k*D bytes per row); a whole trunk pass holds one such
+    all-reduce per MoE layer and no other collective (dense weights are replicated)."""
+    h = results["hlo"]
+    rows, k, d = h["rows"], h["k"], h["d_model"]
+    one = ("all-reduce", f"s32[{rows},{k},{d}]")
+    strip = lambda ops: [(op, t.split("{")[0]) for op, t in ops]  # noqa: E731 (drop the layout suffix)
+    assert strip(h["layer"]) == [one]
+    assert strip(h["trunk"]) == [one] * h["moe_layers"] and h["moe_layers"] > 0
+    print(f"per MoE layer: one all-reduce of {4 * k * d} bytes per row ({rows} rows), {h['moe_layers']} MoE layers")
 
 
 @pytest.mark.parametrize("f", GENERATE_FAST, ids=_name)
@@ -165,7 +185,7 @@ def test_two_local_processes_with_jax_distributed(results):
     (line,) = json_lines(zero)
     out = json.loads(line)
     assert out["process_id"] == 0 and out["expert_parallel"] == 2 and len(set(out["devices"])) == 2
-    assert out["tokens"] == results[_name(MULTIHOST)]["greedy_one"]
+    assert out["tokens"] == results[_name(MULTIHOST)]["greedy_one"][:8]  # --max_new_tokens=8
     assert json_lines(one) == []
 
 

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import sharpi_jax as sj
+from pallas_kernels import quant_blocks as qb
 from sharpi_jax.config import tiny_qwen35moe
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import residency
-from sharpi_jax.experts.expert_weights import to_expert_storage
 from sharpi_jax.experts.streaming import MATRICES
 from sharpi_jax.gguf import GGUFFile, read_model_config
+from sharpi_jax.quant.qtensor import SOA_TYPES
 from sharpi_jax.testing import write_synthetic_gguf
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_path
@@ -108,12 +109,19 @@ def _check_slots(e):
         assert (lut >= 0).sum() == len(owner)
         src = e.residency.streamer.sources[i]
         for m, name in enumerate(MATRICES):
-            shape = (len(owner),) + ((spec.d_model, spec.d_ff) if name == "down" else (spec.d_ff, spec.d_model))
-            want = to_expert_storage(np.ascontiguousarray(src.views[m][owner]), shape, spec.qtypes[m])
-            have = {k: np.asarray(v) for k, v in arrays.items() if k[:5] == ("layers", i, "ffn", "experts", name)}
-            want = want if isinstance(want, dict) else {None: want}
-            for key, arr in have.items():
-                assert_bitwise_equal(arr, np.asarray(want[key[5] if len(key) > 5 else None]))
+            stack = arrays[("layers", i, "ffn", "experts", name)]
+            assert stack.shape[0] == len(owner)
+            assert_bitwise_equal(_stack_bytes(stack), np.ascontiguousarray(src.views[m][owner]))
+
+
+def _stack_bytes(q):
+    """A QTensor stack's GGUF bytes uint8 [n, rows, row_bytes] (GGUF blocks, SoA fields or floats)."""
+    if q.layout == "blocks":
+        return np.asarray(q.data["raw"])
+    if q.layout == "soa":
+        return np.asarray(qb.soa_to_raw(q.data, SOA_TYPES[q.ggml_type]))
+    w = np.asarray(q.data["w"])
+    return w.view(np.uint8).reshape(*w.shape[:-1], -1)
 
 
 _ENGINES: dict = {}  # engines built by earlier tests (each costs a compile), reused where possible

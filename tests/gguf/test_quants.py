@@ -53,6 +53,14 @@ _F16_FIELDS = {
     Q.Q6_K: (208,),            # ql[128], qh[64], scales[16], d
     Q.IQ4_NL: (0,),            # d, qs[16]
     Q.IQ4_XS: (0,),            # d, scales_h (u16), scales_l[4], qs[128]
+    Q.TQ1_0: (52,),            # qs[48], qh[4], d
+    Q.TQ2_0: (64,),            # qs[64], d
+    Q.IQ2_XXS: (0,),           # d, qs (u16)[32]
+    Q.IQ2_XS: (0,),            # d, qs (u16)[32], scales[8]
+    Q.IQ2_S: (0,),             # d, qs[32], signs[32], qh[8], scales[8]
+    Q.IQ3_XXS: (0,),           # d, qs[64], scales_and_signs[32]
+    Q.IQ3_S: (0,),             # d, qs[64], qh[8], signs[32], scales[4]
+    Q.IQ1_S: (0,),             # d, qs[32], qh (u16)[8]
 }
 
 # Extreme finite f16 scales: +-65504, +-smallest subnormal, +-0, smallest normal, largest subnormal, 1.
@@ -74,25 +82,40 @@ def _finite(bits: np.ndarray, exp_mask: int, special: np.ndarray) -> np.ndarray:
     return bits
 
 
-def _random_blocks(qtype: Q, seed: int) -> np.ndarray:
+def _random_blocks(qtype: Q, seed: int, n_blocks: int = N_BLOCKS) -> np.ndarray:
+    """Random blocks of `qtype` whose scale fields are finite (extreme values first)."""
     rng = np.random.default_rng(seed)
     ts = GGML_QUANT_SIZES[qtype][1]
-    blocks = rng.integers(0, 256, size=(N_BLOCKS, ts), dtype=np.uint8)
+    blocks = rng.integers(0, 256, size=(n_blocks, ts), dtype=np.uint8)
     if qtype == Q.F32:
         bits = _finite(blocks.view(np.uint32).reshape(-1), 0x7F800000, _F32_SPECIAL)
-        return bits.view(np.uint8).reshape(N_BLOCKS, ts)
+        return bits.view(np.uint8).reshape(n_blocks, ts)
     if qtype == Q.BF16:
         bits = _finite(blocks.view(np.uint16).reshape(-1), 0x7F80, _BF16_SPECIAL)
-        return bits.view(np.uint8).reshape(N_BLOCKS, ts)
+        return bits.view(np.uint8).reshape(n_blocks, ts)
     if qtype == Q.MXFP4:
         # E8M0 exponent byte (every value is finite): extremes first, 0 and 1 give subnormal scales,
         # 255 overflows the larger e2m1 values to inf in gguf-py too; the rest stays random.
         blocks[:6, 0] = [0, 1, 2, 127, 254, 255]
         return blocks
+    if qtype == Q.NVFP4:
+        # Four UE4M3 sub-block scales (every byte is finite): zero, 0x7F (read as zero), the largest,
+        # the sign bit set (ignored), subnormals first; the rest stays random.
+        blocks[:2, :4] = [[0x00, 0x7F, 0x7E, 0xFF], [0x80, 0x01, 0x07, 0x08]]
+        return blocks
+    if qtype == Q.IQ1_M:
+        # The f16 super-block scale is spread over the top nibbles of the four u16 scale words.
+        words = np.ascontiguousarray(blocks[:, 48:56]).view(np.uint16)
+        d = _finite(words[:, 0].copy(), 0x7C00, _F16_SPECIAL)
+        words &= 0x0FFF
+        for i in range(4):
+            words[:, i] |= ((d >> (4 * i)) & 0xF) << 12
+        blocks[:, 48:56] = words.view(np.uint8)
+        return blocks
     for j, off in enumerate(_F16_FIELDS[qtype]):
         field = np.ascontiguousarray(blocks[:, off:off + 2]).view(np.uint16).reshape(-1)
         field = _finite(field, 0x7C00, np.roll(_F16_SPECIAL, 3 * j))
-        blocks[:, off:off + 2] = field.view(np.uint8).reshape(N_BLOCKS, 2)
+        blocks[:, off:off + 2] = field.view(np.uint8).reshape(n_blocks, 2)
     return blocks
 
 
@@ -136,6 +159,32 @@ def test_float_types_accept_typed_arrays(qtype: Q):
     _assert_bitwise(quants.dequantize(typed.reshape(8, -1), qtype, (8, typed.size // 8)), ref, "typed input")
 
 
+# The types the fixtures' quant zoo has no file of: random valid blocks written into a GGUF by gguf-py's
+# writer, read back through GGUFFile (header, offsets, mmap view) and dequantized.
+_NOT_IN_ZOO = [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.NVFP4]
+
+
+def test_types_outside_the_zoo_through_a_written_gguf(tmp_path):
+    from sharpi_jax.gguf import GGUFFile
+
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(path, "qwen35moe")
+    written = {}
+    for qtype in _NOT_IN_ZOO:
+        bs, ts = GGML_QUANT_SIZES[qtype]
+        rows = _random_blocks(qtype, seed=100 + qtype.value).reshape(8, -1)  # 8 rows of 16 blocks
+        w.add_tensor(f"t.{qtype.name}", rows, raw_shape=rows.shape, raw_dtype=qtype)
+        written[qtype] = (rows, (8, rows.shape[1] // ts * bs))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with GGUFFile(path) as f:
+        for qtype, (rows, shape) in written.items():
+            info = f.tensor(f"t.{qtype.name}")
+            assert (info.qtype, info.shape) == (qtype, shape)
+            ref = _reference(rows, qtype).reshape(shape)
+            assert not np.isnan(ref).any()
+            _assert_bitwise(f.dequantize(f"t.{qtype.name}"), ref, qtype.name)
+
+
 # --- every tensor of the reference GGUFs ------------------------------------------------------
 
 @pytest.mark.parametrize("path", _fixture_ggufs())
@@ -164,12 +213,27 @@ def test_qtype_forms():
     assert quants.block_size(int(Q.Q8_0)) == 32 and quants.type_size("Q8_0") == 34
     assert quants.byte_shape(Q.Q4_K, (3, 512)) == (3, 288)
     assert quants.byte_shape("F32", (2, 5)) == (2, 20)
-    assert all(isinstance(t, Q) for t in quants.SUPPORTED_TYPES) and len(quants.SUPPORTED_TYPES) == 16
+    assert all(isinstance(t, Q) for t in quants.SUPPORTED_TYPES) and len(quants.SUPPORTED_TYPES) == 26
     for t in quants.SUPPORTED_TYPES:
         assert (quants.block_size(t), quants.type_size(t)) == GGML_QUANT_SIZES[t]
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.TQ1_0, Q.Q8_K, Q.IQ3_S, "IQ1_M", int(Q.TQ2_0)])
+def _gguf_py_dequantizes(qtype: Q) -> bool:
+    ts = GGML_QUANT_SIZES[qtype][1]
+    try:
+        gguf.quants.dequantize(np.zeros((1, ts), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def test_every_type_gguf_py_dequantizes_is_supported():
+    """The supported set is exactly what the installed gguf-py can dequantize (26 types in gguf 0.19)."""
+    theirs = {t for t in Q if t in GGML_QUANT_SIZES and _gguf_py_dequantizes(t)}
+    assert quants.SUPPORTED_TYPES == theirs
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_K, Q.Q8_1, "Q8_K", int(Q.Q1_0), Q.I32])
 def test_unsupported_type_named(qtype):
     name = quants.normalize_qtype(qtype).name
     bs, ts = GGML_QUANT_SIZES[quants.normalize_qtype(qtype)]

@@ -173,14 +173,14 @@ def test_unknown_tensor_type_id(tmp_path):
 
 
 def test_unsupported_quant_type_names_it(tmp_path):
-    p = tmp_path / "iq2.gguf"
+    p = tmp_path / "q8k.gguf"
     w = GGUFWriter(p, "qwen35moe")
-    raw = np.zeros((4, 66), dtype=np.uint8)  # one IQ2_XXS block (66 bytes / 256 values) per row
-    w.add_tensor("blk.0.weird.weight", raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.IQ2_XXS)
+    raw = np.zeros((4, 292), dtype=np.uint8)  # one Q8_K block (292 bytes / 256 values) per row
+    w.add_tensor("blk.0.weird.weight", raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.Q8_K)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with GGUFFile(p) as f:
         assert f.tensor("blk.0.weird.weight").shape == (4, 256)
-        with pytest.raises(UnsupportedQuantError, match="IQ2_XXS"):
+        with pytest.raises(UnsupportedQuantError, match="Q8_K"):
             f.dequantize("blk.0.weird.weight")
 
 

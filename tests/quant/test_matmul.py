@@ -14,9 +14,10 @@ import pytest
 from sharpi_jax.errors import InputError, UnsupportedQuantError
 from sharpi_jax.quant import MatrixFormat, matmul, pack, pack_rows, reference_matmul, resolve_kernels, weight_layout
 from sharpi_jax.quant import qtensor
-from sharpi_jax.quant.matmul import quantize_rows_int8
+from sharpi_jax.quant.backends.xla import quantize_rows_int8
 from pallas_kernels import quant_blocks as qb
 from tests.bitwise import assert_bitwise_equal
+from tests.gguf.test_quants import _random_blocks as random_blocks
 
 Q = gguf.GGMLQuantizationType
 N, K = 64, 256
@@ -35,10 +36,15 @@ def _raw(qt: Q, rng, rows=N, cols=K) -> np.ndarray:
         blocks = rng.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
         blocks[:, 208:210] = (rng.uniform(0.5, 1.5, (len(blocks), 1)) * 2**-12).astype(np.float16).view(np.uint8)
         return blocks.reshape(rows, -1)
+    if qt in NEW_TYPES:  # no gguf quantizer: random blocks with finite scales, extreme scales first
+        bs, ts = gguf.GGML_QUANT_SIZES[qt]
+        return random_blocks(qt, int(rng.integers(1 << 30)), rows * cols // bs).reshape(rows, -1)
     return np.asarray(gguf.quants.quantize(w, qt)).reshape(rows, -1)
 
 
-TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K]
+# The types read since issue 23 (i-quants, ternary, NVFP4): held as GGUF blocks, dequantized exactly.
+NEW_TYPES = [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.NVFP4]
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K, *NEW_TYPES]
 EXACT_LAYOUTS = ("float", "float_t", "blocks", "soa", "kernel")
 
 
@@ -89,7 +95,7 @@ LAYOUT_TOLERANCE = {"float": 1e-6, "float_t": 1e-6, "blocks": 1e-6, "soa": 1e-6,
                     "int8": 1.5e-2}  # int8: weights rounded to 1/254 of their row max (activations ~exact)
 
 
-@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_M, Q.NVFP4], ids=lambda t: t.name)
 def test_matmul_layouts_match_the_reference(qt):
     rng = np.random.default_rng(5)
     raw = _raw(qt, rng)
@@ -185,7 +191,7 @@ def test_kernel_layout_lowers_for_triton_on_cpu():
 def test_large_matrices_dequantize_in_chunks_with_the_same_bits(monkeypatch, layout):
     """An LM-head-sized matrix is dequantized chunk by chunk inside the step (bounded memory); the
     result is bitwise the one-shot product, so chunking cannot break batched == sequential parity."""
-    mm = importlib.import_module("sharpi_jax.quant.matmul")
+    mm = importlib.import_module("sharpi_jax.quant.backends.reference")  # the dequantize-then-dot path
     rng = np.random.default_rng(10)
     w = pack(jnp.asarray(_raw(Q.Q8_0, rng, rows=96)), int(Q.Q8_0), (96, K), layout)
     x = jnp.asarray(rng.standard_normal((4, K), dtype=np.float32))

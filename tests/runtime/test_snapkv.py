@@ -1,6 +1,8 @@
-"""SnapKV prefill eviction: kept positions == a plain numpy SnapKV, a budget >= the prompt is bitwise the
-path without eviction, and on an evicted cache MTP batched verify == sequential verify (every row,
-bitwise) == plain decoding with the same eviction (greedy and seeded sampling), three archs.
+"""SnapKV prefill eviction: kept positions == a plain numpy SnapKV (also on window queries recomputed in
+numpy from the GGUF weights), the compacted decode == an independent decode on the full cache with the
+evicted positions masked out (`snapkv_reference`), a budget >= the prompt is bitwise the path without
+eviction, and on an evicted cache MTP batched verify == sequential verify (every row, bitwise) == plain
+decoding with the same eviction (greedy and seeded sampling), three archs.
 
 Prompts are a 128-token cut of each fixture's long prompt (prompt 3), so eviction really drops most of
 it (budget 64). The fast tier runs k in FAST_KS, the slow tier the rest of 1..7 and the quantized
@@ -23,7 +25,8 @@ from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import generate_mtp
 from sharpi_jax.runtime.state import attention_caches, with_attention
 from tests.bitwise import assert_bitwise_equal
-from tests.conftest import fixture_engine, load_references
+from tests.conftest import fixture_engine, fixture_path, load_references
+from tests.runtime.snapkv_reference import allowed_keys, masked_decode, window_queries_numpy
 
 MAX_CONTEXT = 192
 WIDTH = 7
@@ -34,6 +37,11 @@ ARCHS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
 FAST_KS = (3, 7)
 SLOW_KS = (1, 2, 4, 5, 6)
 GREEDY = SamplingParams()
+# Eviction patterns for the masked full-cache reference: (budget, window, pool), both with shift > 0.
+PATTERNS = (KV, SnapKV(budget=40, window=8, pool=3))
+# Compacted decode vs the masked full-cache reference: the same operands, but a shorter cache (a
+# different reduction length) and single-row matmuls on the reference side, so not bitwise.
+REF_ATOL = 1e-5  # times max |reference logit|, every decoded row
 
 
 def engine(name: str, variant: str = "F32"):
@@ -104,6 +112,92 @@ def test_kept_positions_equal_numpy_reference(name):
     compacted, _ = kv_eviction.mtp_prefill(e.mtp, ids, chunks, False, KV, cap)
     np.testing.assert_array_equal(np.asarray(compacted.slot_pos)[:, : KV.budget], want)
     assert int(compacted.shift) == m_rows - KV.budget
+    # The MTP cache's memory bound: kv_budget + max_new_tokens slots of K and V, one position per slot.
+    hkv, hd = e.config.n_head_kv, e.config.head_dim
+    assert compacted.k.shape == compacted.v.shape == (hkv, cap, hd) and compacted.slot_pos.shape == (hkv, cap)
+
+
+def trunk_inputs(e, ids, layer):
+    """The residual stream entering trunk block `layer` for prompt ids (blocks 0..layer-1 run at model
+    level in the prefill form, one bucket)."""
+    from flax import nnx
+
+    from sharpi_jax.model.cache import cache_shapes, zeros
+
+    model = e.model
+    n = len(ids)
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, tokens):
+        m = nnx.merge(graphdef, params)
+        x = m.embed(tokens)
+        pos, valid = jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), bool)
+        for blk in list(m.layers)[:layer]:
+            x, _, _ = blk(x, zeros(cache_shapes(e.config, blk.layer, MAX_CONTEXT)), pos, valid, "chunked")
+        return x
+
+    return np.asarray(run(params, jnp.asarray(ids, jnp.int32)))
+
+
+def test_scoring_uses_queries_recomputed_from_the_weights():
+    """The kept positions of every trunk attention layer == `reference_keep` fed window queries that
+    this test recomputes in numpy from the GGUF weights (attn_norm, attn_q, q-norm, NEOX RoPE at the
+    logical positions) and the layer's input, not the engine's captured queries; those agree with the
+    engine's captured queries to 1e-4 of their scale (the float64 vs float32 gap)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    name = "tiny-qwen35moe"
+    e = engine(name)
+    rt, ids = e.runtime, long_prompt(name)
+    n, c = len(ids), e.config
+    path = fixture_path(name, f"{name}-F32.gguf")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    queries = []
+    _, _, state = rt.prefill(rt.new_state(), ids, queries=queries)
+    captured = kv_eviction.window_queries(queries, KV.window)
+    full = attention_caches(state)
+    _, _, evicted_state, _ = kv_eviction.prefill(rt, ids, KV, kv_eviction.kv_capacity(KV, N_NEW, MAX_CONTEXT))
+    positions = np.arange(n - KV.window, n)
+    for i, layer in enumerate(c.attention_layers):
+        x = trunk_inputs(e, ids, layer)[n - KV.window:].astype(np.float64)
+        t = tensors[f"blk.{layer}.attn_norm.weight"]
+        w = np.asarray(dequantize(t.data, t.tensor_type), np.float64)
+        a = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.rms_eps) * w
+        q = window_queries_numpy(path, c, layer, a, positions)
+        cq = np.asarray(captured[i])
+        np.testing.assert_allclose(q, cq, rtol=0, atol=1e-4 * np.abs(q).max(), err_msg=f"layer {layer}")
+        want = reference_keep(q, np.asarray(full[i].k), n, KV.budget, KV.window, KV.pool)
+        got = np.asarray(attention_caches(evicted_state)[i].slot_pos)[:, : KV.budget]
+        np.testing.assert_array_equal(got, want, err_msg=f"layer {layer}")
+
+
+@pytest.mark.parametrize("kv", PATTERNS, ids=lambda kv: f"b{kv.budget}w{kv.window}p{kv.pool}")
+def test_evicted_decode_equals_masked_full_cache(kv):
+    """Greedy decode on the compacted cache (shift > 0, kept positions different per KV head) == a
+    decode on the full, uncompacted prefill cache with the evicted positions masked out
+    (`snapkv_reference.masked_decode`: no compaction, no slot map, RoPE at logical positions), every
+    row's logits within REF_ATOL and the same greedy tokens."""
+    name = "tiny-qwen35moe"
+    e = engine(name)
+    rt, ids = e.runtime, long_prompt(name)
+    n = len(ids)
+    _, logits, state, ev = kv_eviction.prefill(rt, ids, kv, kv_eviction.kv_capacity(kv, N_NEW, MAX_CONTEXT))
+    assert ev.shift == n - kv.budget > 0
+    keep = [np.asarray(cache.slot_pos)[:, : kv.budget] for cache in attention_caches(state)]
+    assert all((k[0] != k[1]).any() for k in keep), "the pattern should differ between KV heads"
+    toks, rows = [int(np.argmax(logits))], []
+    for i in range(N_NEW):
+        lg, _, state = rt.decode_step(state, toks[-1], n + i)
+        rows.append(np.asarray(lg))
+        toks.append(int(np.argmax(rows[-1])))
+    _, _, full = rt.prefill(rt.new_state(), ids)
+    ref = masked_decode(e.model, full, toks[:-1], n, [allowed_keys(k, n, MAX_CONTEXT) for k in keep])
+    got = np.stack(rows)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=REF_ATOL * np.abs(ref).max())
+    assert [int(t) for t in np.argmax(ref, axis=-1)] == toks[1:]
+    print(f"{kv}: max |compacted - masked full| / max|ref| = {np.abs(got - ref).max() / np.abs(ref).max():.2e}")
 
 
 def test_compacted_cache_uses_logical_positions():

@@ -101,7 +101,7 @@ def test_forward_and_mtp_match_transformers_fixture():
     causal sequence leaves earlier rows unchanged, so every prompt runs in one compiled shape)."""
     f32 = fixture_path("tiny-qwen35moe", "tiny-qwen35moe-F32.gguf")
     refs = np.load(fixture_path("tiny-qwen35moe", "transformers.npz"))
-    prompts = load_references("tiny-qwen35moe")["variants"]["tiny-qwen35moe-F32"]["tokens"][:3]
+    prompts = load_references("tiny-qwen35moe")["variants"]["tiny-qwen35moe-F32"]["tokens"]  # all 4 (8 to 411 tokens)
     config, params = tm.params_from_gguf(f32)
     params = {k: jnp.asarray(v) for k, v in params.items()}
     width = max(len(t) for t in prompts)

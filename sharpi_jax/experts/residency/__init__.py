@@ -8,6 +8,7 @@ the tokens are the all-resident tokens bit for bit, whatever the budget and poli
 - `slots`: `ResidentExperts`, a layer's slot stack + LUT + ring state, the provider its MoE calls;
 - `counts`: calibrated routing counts for "frequency" (`calibrate`, saved beside the model);
 - `stats`: counters and what a run cost (hit rate, bytes streamed, host work);
+- `options`: the load options' types and ranges, checked before anything is planned;
 - this module: `configure` (the load options) and `Residency` (a plan bound to an open GGUF).
 
 Cold experts are served by `sharpi_jax.experts.streaming` (one host callback per layer and batch).
@@ -21,11 +22,11 @@ import numpy as np
 
 from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
-from sharpi_jax.experts.expert_weights import expert_storage, to_expert_storage
-from sharpi_jax.experts.provider import field_of
+from sharpi_jax.experts.provider import ExpertFormat, run_format
 from sharpi_jax.experts.residency import stats as _stats
 from sharpi_jax.experts.residency.counts import (COUNTS_FORMAT, COUNTS_SUFFIX, calibrate, counts_paths, load_counts,
                                                  save_counts)
+from sharpi_jax.experts.residency.options import OPTION_NAMES, check_options, check_policy
 from sharpi_jax.experts.residency.plan import (LayerSpec, ResidencyPlan, budget_for_fraction, layer_geometry,
                                                minimum_budget, non_expert_bytes, parse_expert_budget, plan_residency)
 from sharpi_jax.experts.residency.policies import POLICIES, SlotPolicy, slot_policy
@@ -43,7 +44,7 @@ class Residency:
         pinned = {i: s.resident[: s.n_pin] for i, s in plan.layers.items()}
         self.streamer = Streamer(f, sorted(plan.layers), config.d_model, config.expert_ff, pinned=pinned,
                                  counts=counts, prefetch_experts=prefetch_experts)
-        self._pending: dict = {}  # SoA fields of the slot stack being loaded
+        self._formats: dict[int, ExpertFormat] = {}  # how each managed layer's stacks are held
 
     # ----- model construction -----
     def experts_module(self, layer: int, run: RunConfig, shared: dict) -> ResidentExperts | None:
@@ -52,8 +53,10 @@ class Residency:
         spec = self.plan.layers.get(layer)
         if spec is None:
             return None
+        fmt = self._formats[layer] = self.streamer.formats[layer] = ExpertFormat(
+            run_format(run), spec.qtypes, spec.d_model, spec.d_ff)
         if spec.qtypes not in shared:
-            shared[spec.qtypes] = staging_buffer(spec)
+            shared[spec.qtypes] = staging_buffer(spec, fmt)
         return ResidentExperts(spec, self.streamer, shared[spec.qtypes], run)
 
     def source(self, layer: int, path: tuple) -> Callable[[], Any]:
@@ -64,19 +67,12 @@ class Residency:
         spec = self.plan.layers[layer]
         ids = np.asarray(spec.resident, np.int64)
         S, E = spec.n_slots, spec.n_expert
-        field = rest[0] if rest else None
+        fmt = self._formats[layer]
         if name == "staged":  # staging buffer: zeros until a batch streams into it
-            m = MATRICES.index(rest[0])
-            G = spec.staging if spec.cold != "host" else 0
-            want = expert_storage((G,) + matrix_shape(spec, rest[0]), spec.qtypes[m])
-            want = want[rest[1]] if len(rest) > 1 else want
-            return np.zeros(want.shape, want.dtype)
+            return fmt.zeros(spec.staging if spec.cold != "host" else 0, rest[0])
         if name in MATRICES:
-            m = MATRICES.index(name)
-            view = self.streamer.sources[layer].views[m]
-            shape = (S,) + matrix_shape(spec, name)
-            return field_of(self._pending, (layer, name), field,
-                            lambda: to_expert_storage(np.ascontiguousarray(view[ids]), shape, spec.qtypes[m]))
+            view = self.streamer.sources[layer].views[MATRICES.index(name)]
+            return fmt.pack(np.ascontiguousarray(view[ids]), name)
         if name == "lut":
             lut = np.full(E, -1, np.int32)
             lut[ids] = np.arange(S, dtype=np.int32)
@@ -103,9 +99,6 @@ class Residency:
         return _stats.resident_bytes(runtime.expert_cache_arrays(), what)
 
 
-OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",
-                "expert_prefetch", "device_budget")
-
 
 def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None,
               expert_policy: str = "frequency", **options: Any) -> Residency | None:
@@ -117,10 +110,9 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     expert_cold ("auto" | "stream" | "host"), expert_stream_min_rows, expert_prefetch (experts
     madvise'd ahead per layer).
     """
-    unknown = sorted(set(options) - set(OPTION_NAMES))
-    if unknown:
-        raise InputError(f"unknown load option(s) {unknown}; residency options are {OPTION_NAMES}")
-    device_budget = options.get("device_budget")
+    expert_policy = check_policy(expert_policy)
+    options = check_options(options)  # types and ranges, before anything is read or planned
+    device_budget = options["device_budget"]
     if expert_budget is not None and config.is_moe:
         expert_budget = parse_expert_budget(expert_budget, f, config)
     if expert_budget is None and device_budget is None:
@@ -132,8 +124,6 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     if not config.is_moe:
         raise InputError(f"expert_budget applies to MoE models; {f.source} ({config.arch}) has no routed experts")
     if device_budget is not None:
-        if isinstance(device_budget, bool) or not isinstance(device_budget, (int, np.integer)) or device_budget < 0:
-            raise InputError(f"device_budget must be a non-negative integer number of bytes, got {device_budget!r}")
         dense = non_expert_bytes(f, config)
         min_exp = minimum_budget(f, config)
         if device_budget < dense + min_exp:
@@ -145,8 +135,8 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     plan = plan_residency(f, config, expert_budget, expert_policy, counts, counts_source=source,
                           staging=options.get("expert_staging"), ring=options.get("expert_ring"),
                           cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"))
-    prefetch = options.get("expert_prefetch")
-    return Residency(f, config, plan, counts, 16 if prefetch is None else int(prefetch))
+    prefetch = options["expert_prefetch"]
+    return Residency(f, config, plan, counts, 16 if prefetch is None else prefetch)
 
 
 __all__ = ["COUNTS_FORMAT", "COUNTS_SUFFIX", "CTR", "ExpertCache", "LayerSpec", "OPTION_NAMES", "POLICIES", "Residency",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from sharpi_jax.config import ModelConfig
-from sharpi_jax.errors import InputError
+from sharpi_jax.errors import InputError, shown
 
 COUNTS_SUFFIX = ".expert-counts.json"
 COUNTS_FORMAT = "sharpi-expert-counts/1"
@@ -35,26 +35,47 @@ def load_counts(source: Any, model_path: str | os.PathLike[str], c: ModelConfig
         data, where = dict(source), "<dict>"
     else:
         paths = [Path(source)] if source is not None else counts_paths(model_path)
-        found = [p for p in paths if p.exists()]
+        try:
+            found = [p for p in paths if p.is_file()]
+        except (OSError, ValueError):  # a name the OS refuses
+            found = []
         if not found:
             if source is not None:
-                raise InputError(f"expert counts file {source} does not exist")
+                raise InputError(f"expert counts file {shown(str(source))} does not exist (or is not a file)")
             return None, None
         where = str(found[0])
         try:
             data = json.loads(found[0].read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"expert counts file {where}: {e}") from None
-    layers = data.get("layers", data)
+            raise InputError(f"expert counts file {shown(where, 200)}: {shown(str(e))}") from None
     try:
-        out = {int(i): [int(x) for x in v] for i, v in layers.items()}
-    except (TypeError, ValueError, AttributeError):
-        raise InputError(f"expert counts {where}: expected {{'layers': {{layer: [n_expert counts]}}}}") from None
+        layers = data.get("layers", data)
+        out = {_layer(i): [_count(x) for x in v] for i, v in layers.items()}
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        raise InputError(f"expert counts {shown(where, 200)}: expected {{'layers': {{layer: [n_expert "
+                         "counts]}} with non-negative integer counts") from None
     bad = [i for i, v in out.items() if len(v) != c.n_expert]
     if bad:
-        raise InputError(f"expert counts {where}: layer {bad[0]} has {len(out[bad[0]])} counts, the model has "
-                         f"{c.n_expert} experts")
+        raise InputError(f"expert counts {shown(where, 200)}: layer {bad[0]} has {len(out[bad[0]])} counts, "
+                         f"the model has {c.n_expert} experts")
     return out, where
+
+
+def _layer(key: Any) -> int:
+    """A layer index from a JSON key or int (not a bool, not negative)."""
+    if isinstance(key, bool):
+        raise TypeError(key)
+    i = int(key)
+    if i < 0:
+        raise ValueError(key)
+    return i
+
+
+def _count(x: Any) -> int:
+    """One routing count: a non-negative integer below 2**62 (an int, or an integral float from JSON)."""
+    if isinstance(x, (bool, str, bytes)) or int(x) != x or not 0 <= int(x) < 2**62:
+        raise ValueError(x)
+    return int(x)
 
 
 def save_counts(counts: Mapping[int, Sequence[int]], model_path: str | os.PathLike[str], c: ModelConfig,

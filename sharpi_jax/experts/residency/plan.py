@@ -30,8 +30,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sharpi_jax.config import ModelConfig
-from sharpi_jax.errors import InputError
-from sharpi_jax.experts.expert_weights import qtype_name, row_bytes
+from sharpi_jax.errors import InputError, shown
+from sharpi_jax.quant import gguf_nbytes
 from sharpi_jax.experts.residency.policies import POLICIES, slot_policy
 from sharpi_jax.experts.streaming import COLD_MODES, DEFAULT_STREAM_MIN_ROWS
 from sharpi_jax.gguf.reader import GGUFFile
@@ -110,8 +110,7 @@ def layer_geometry(f: GGUFFile, c: ModelConfig) -> dict[int, tuple[tuple[int, in
     for i in range(c.n_layer if c.is_moe else 0):
         q = tuple(int(x) for x in expert_qtypes(f, i))
         F, D = c.expert_ff, c.d_model
-        n = [qtype_name(x) for x in q]
-        bpe = F * row_bytes(n[0], D) + F * row_bytes(n[1], D) + D * row_bytes(n[2], F)
+        bpe = gguf_nbytes(q[0], (F, D)) + gguf_nbytes(q[1], (F, D)) + gguf_nbytes(q[2], (D, F))
         out[i] = (q, bpe)
     return out
 
@@ -122,17 +121,17 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
                    stream_min_rows: int | None = None) -> ResidencyPlan:
     """Place experts into per-layer slots within `expert_budget` bytes (see the module doc)."""
     if policy not in POLICIES:
-        raise InputError(f"expert_policy must be one of {POLICIES}, got {policy!r}")
+        raise InputError(f"expert_policy must be one of {POLICIES}, got {shown(policy)}")
     if not c.is_moe:
         raise InputError(f"expert_budget applies to MoE models; {c.arch} has no routed experts")
     if isinstance(expert_budget, bool) or not isinstance(expert_budget, (int, np.integer)) or expert_budget < 0:
-        raise InputError(f"expert_budget must be a non-negative integer number of bytes, got {expert_budget!r}")
+        raise InputError(f"expert_budget must be a non-negative integer number of bytes, got {shown(expert_budget)}")
     pol = slot_policy(policy)
     cold = cold or pol.default_cold
     if cold not in COLD_MODES:
-        raise InputError(f"expert_cold must be one of {COLD_MODES}, got {cold!r}")
+        raise InputError(f"expert_cold must be one of {COLD_MODES}, got {shown(cold)}")
     if ring is not None and not 0.0 <= float(ring) <= 1.0:
-        raise InputError(f"expert_ring must be a fraction in [0, 1], got {ring!r}")
+        raise InputError(f"expert_ring must be a fraction in [0, 1], got {shown(ring)}")
     E, k = c.n_expert, c.n_expert_used
     geo = layer_geometry(f, c)
     layers = sorted(geo)
@@ -259,7 +258,7 @@ def parse_expert_budget(value: Any, f: GGUFFile, config: ModelConfig) -> int | N
         except (ValueError, OverflowError):
             pass
     raise InputError(f"expert_budget must be bytes (an int, or a string like '8GiB' / '512MiB') or a share "
-                     f"like '25%' (0-100%], got {value!r}")
+                     f"like '25%' (0-100%], got {shown(value)}")
 
 
 def budget_for_fraction(f: GGUFFile, config: ModelConfig, frac: float) -> int:

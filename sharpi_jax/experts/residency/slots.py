@@ -1,7 +1,8 @@
 """Resident slots: one MoE layer's routed experts under an expert budget (`model.moe.ExpertProvider`).
 
-Each MoE trunk layer keeps a *slot stack*: the same storage as `provider.RoutedExperts` (GGUF blocks,
-SoA for Q8_0/Q4_K) with leading dim n_slots instead of n_expert, plus a LUT `[n_expert] -> slot | -1`.
+Each MoE trunk layer keeps a *slot stack*: the same QTensor stacks as `provider.RoutedExperts` (laid
+out by the run's `MatrixFormat`) with leading dim n_slots instead of n_expert, plus a LUT
+`[n_expert] -> slot | -1`.
 Because an expert's computation does not depend on the index it sits at, routing through `lut[sel]`
 into the slot stack gives the same bits as the full [E, ...] stack.
 
@@ -22,6 +23,7 @@ Cold mode ("auto" | "stream" | "host"): "auto" streams from `stream_min_rows` bu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,8 +33,7 @@ from jax.experimental import io_callback
 
 from sharpi_jax.config import RunConfig
 from sharpi_jax.experts import dispatch
-from sharpi_jax.experts.expert_weights import (ExpertWeights, expert_storage, storage_values, storage_variables,
-                                               to_expert_storage)
+from sharpi_jax.experts.provider import ExpertFormat, run_format
 from sharpi_jax.experts.residency.plan import LayerSpec
 from sharpi_jax.experts.residency.policies import slot_policy
 from sharpi_jax.experts.streaming import MATRICES, Streamer
@@ -47,32 +48,25 @@ class ExpertCache(nnx.Variable):
     """Mutable residency state (slot stacks, LUT, recency, counters): donated through every step."""
 
 
-def _set(v, value):
-    if isinstance(v, nnx.Dict):
-        for k, x in v.items():
-            x[...] = value[k]
-    else:
-        v[...] = value
-
-
 class _Stacked:
-    """Duck-typed ExpertWeights over two stacks: index e < n_a reads `a`, else `b[e - n_a]`.
+    """Two `dispatch.StackView`s read as one: index e < n_a reads `a`, else `b[e - n_a]`.
 
-    What `dispatch.expert_rows` needs (n_expert, input_orders, dequant_expert): the slot
-    stack and the streamed staging computed in one pass without concatenating them."""
+    What `dispatch.expert_rows` needs (`StackView`'s n_expert, load, ffn): the slot stack and the
+    streamed staging computed in one pass without concatenating them (reads counted, not bytes)."""
+
+    bytes_per_read = None
 
     def __init__(self, a, b, n_a: int):
         self.a, self.b, self.n_a = a, b, n_a
         self.n_expert = (a.n_expert if a is not None else 0) + (b.n_expert if b is not None else 0)
-        self.input_orders = (a if a is not None else b).input_orders
+        self.ffn = (a if a is not None else b).ffn
 
-    def dequant_expert(self, e, k_order="natural"):
+    def load(self, e):
         if self.b is None:
-            return self.a.dequant_expert(e, k_order)
+            return self.a.load(e)
         if self.a is None:
-            return self.b.dequant_expert(e - self.n_a, k_order)
-        return jax.lax.cond(e < self.n_a, lambda e: self.a.dequant_expert(e, k_order),
-                            lambda e: self.b.dequant_expert(e - self.n_a, k_order), e)
+            return self.b.load(e - self.n_a)
+        return jax.lax.cond(e < self.n_a, self.a.load, lambda e: self.b.load(e - self.n_a), e)
 
 
 def matrix_shape(spec: LayerSpec, m: str) -> tuple[int, int]:
@@ -80,13 +74,11 @@ def matrix_shape(spec: LayerSpec, m: str) -> tuple[int, int]:
     return (spec.d_model, spec.d_ff) if m == "down" else (spec.d_ff, spec.d_model)
 
 
-def staging_buffer(spec: LayerSpec) -> nnx.Dict:
-    """The device staging of streamed experts ([staging, ...] in slot storage form; empty when the
+def staging_buffer(spec: LayerSpec, fmt: ExpertFormat) -> nnx.Dict:
+    """The device staging of streamed experts ([staging, ...] stacks like the slots'; empty when the
     layer only host-computes). One per block-type mix, shared by its layers (they run one at a time)."""
-
     G = spec.staging if spec.cold != "host" else 0
-    return nnx.Dict({m: storage_variables(expert_storage((G,) + matrix_shape(spec, m), spec.qtypes[j]), ExpertCache)
-                     for j, m in enumerate(MATRICES)})
+    return nnx.Dict({m: ExpertCache(fmt.zeros(G, m)) for m in MATRICES})
 
 
 class ResidentExperts(nnx.Module):
@@ -108,11 +100,11 @@ class ResidentExperts(nnx.Module):
         self.spec = spec
         self.streamer = streamer
         self.mode, self.row_kernel = run.expert_mode, run.row_kernel
+        self.format = ExpertFormat(run_format(run), spec.qtypes, spec.d_model, spec.d_ff)
         S, E = spec.n_slots, spec.n_expert
-        for j, m in enumerate(MATRICES):
-            shape = (S,) + matrix_shape(spec, m)
-            setattr(self, m, storage_variables(expert_storage(shape, spec.qtypes[j]), ExpertCache))
-        self.staged = staged if staged is not None else staging_buffer(spec)
+        for m in MATRICES:
+            setattr(self, m, ExpertCache(self.format.zeros(S, m)))
+        self.staged = staged if staged is not None else staging_buffer(spec, self.format)
         i32 = jnp.int32
         self.lut = ExpertCache(jnp.full((E,), -1, i32))
         self.slot_expert = ExpertCache(jnp.full((S,), -1, i32))
@@ -124,17 +116,18 @@ class ResidentExperts(nnx.Module):
 
     _SMALL = ("lut", "slot_expert", "stamp", "protected", "clock", "counts", "ctr")
 
-    def _weights(self, stack):
-        return ExpertWeights.from_storage(stack["gate"], stack["up"], stack["down"], self.spec.qtypes)
+    @staticmethod
+    def _weights(stack):
+        return tuple(stack[m] for m in MATRICES)
 
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None) -> jax.Array:
         """`moe.ExpertProvider`: the same rows as `routed_experts` on all experts, bit for bit."""
         s, mode = self.spec, self.mode
         N, k = sel.shape
         E, S = s.n_expert, s.n_slots
-        v = {name: storage_values(getattr(self, name)) for name in self._SMALL}
-        stack = {m: storage_values(getattr(self, m)) for m in MATRICES}
-        staged = {m: storage_values(self.staged[m]) for m in MATRICES}
+        v = {name: getattr(self, name).get_value() for name in self._SMALL}
+        stack = {m: getattr(self, m).get_value() for m in MATRICES}
+        staged = {m: self.staged[m].get_value() for m in MATRICES}
         vmask = jnp.ones((N, k), bool) if valid is None else jnp.broadcast_to(valid[:, None], (N, k))
         slot = v["lut"][sel]
         hit = slot >= 0
@@ -165,15 +158,17 @@ class ResidentExperts(nnx.Module):
             out, v, staged, tgt = jax.lax.cond(jnp.all(hit), fast, slow, *args)
         if tgt.shape[0]:
             nv = tgt.shape[0]
+            put = lambda a, b: a.at[tgt].set(b[:nv], mode="drop")  # noqa: E731
             stack = jax.lax.cond(jnp.any(tgt < S),
-                                 lambda st: {m: jax.tree.map(lambda a, b: a.at[tgt].set(b[:nv], mode="drop"),
-                                                             st[m], staged[m]) for m in MATRICES},
+                                 lambda st: {m: dataclasses.replace(st[m], data=jax.tree.map(put, st[m].data,
+                                                                                             staged[m].data))
+                                             for m in MATRICES},
                                  lambda st: st, stack)
         for name in self._SMALL:
-            _set(getattr(self, name), v[name])
+            getattr(self, name).set_value(v[name])
         for m in MATRICES:
-            _set(getattr(self, m), stack[m])
-            _set(self.staged[m], staged[m])
+            getattr(self, m).set_value(stack[m])
+            self.staged[m].set_value(staged[m])
         return out
 
     def _n_write(self, n_rows: int) -> int:
@@ -210,8 +205,7 @@ class ResidentExperts(nnx.Module):
         ctr = ctr.at[_C["host_experts"]].add((host_ids >= 0).sum().astype(jnp.int32))
         tgt = jnp.full((self._n_write(N),), S, jnp.int32)
         if n_stage:
-            shapes3 = ((n_stage, F, D), (n_stage, F, D), (n_stage, D, F))
-            staged = {m: to_expert_storage(res[j], shapes3[j], s.qtypes[j]) for j, m in enumerate(MATRICES)}
+            staged = {m: self.format.pack(res[j], m) for j, m in enumerate(MATRICES)}
             if s.n_ring:
                 v, ctr, tgt = self._insert(v, ctr, stream_ids, used)
         v["ctr"] = ctr
@@ -224,7 +218,8 @@ class ResidentExperts(nnx.Module):
         on_dev = idx >= 0
         v["ctr"] = v["ctr"].at[_C["host_pairs"]].add((vmask & ~on_dev).sum().astype(jnp.int32))
         if S or n_stage:
-            view = _Stacked(self._weights(stack) if S else None, self._weights(staged) if n_stage else None, S)
+            view = _Stacked(dispatch.StackView(self._weights(stack)) if S else None,
+                            dispatch.StackView(self._weights(staged)) if n_stage else None, S)
             idx_d = jnp.where(on_dev, idx, jnp.maximum(jnp.max(idx), 0))  # host pairs ride along a used expert
             y_dev = jax.lax.cond(jnp.any(on_dev), lambda: dispatch.expert_rows(u, idx_d, view, mode, self.row_kernel)[0],
                                  lambda: jnp.zeros((N, k, D), jnp.float32))

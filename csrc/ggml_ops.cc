@@ -1,0 +1,431 @@
+// sharpi_jax._ggml: GGUF blocks multiplied by ggml's own CPU kernels, for jit (XLA FFI) and for the host.
+//
+// Every product is ggml's: an activation row is quantized once with `from_float` of the weight type's
+// `vec_dot_type` (Q8_K for K-quants, Q8_0 for Q4_0/Q8_0, ...) and each output element is one
+// `vec_dot(K, w_row, q_row)` (ggml_get_type_traits_cpu), exactly as ggml's mul_mat computes a
+// product by vec_dot. Output element [m, n] depends only on activation row m and weight row n, so a
+// row's bits are the same for any batch size, any tiling and any thread count (row-stable by
+// construction). Work is tiled so a tile of weight rows is read once for all activation rows, and
+// tiles are shared between threads (XLA's intra-op pool inside jit, std::thread on the host).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include "ggml-cpu.h"
+#include "ggml.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTileRows = 16;  // weight rows per work unit (ggml's mul_mat uses 16 x 16 blocks)
+
+// ---------------------------------------------------------------------------------------------
+// Parallel loops: fn(i) for i in [0, n), spread over `threads` workers that take units in turn.
+// ---------------------------------------------------------------------------------------------
+
+using Body = std::function<void(int64_t)>;
+using Spawn = std::function<void(std::function<void()>)>;  // runs a task on another thread
+
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+// The caller works too; it returns once every unit is done. Helpers that start after the last unit
+// was taken find nothing to do and only touch `Shared` (kept alive by the shared_ptr they hold).
+void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
+  if (n <= 0) return;
+  if (threads <= 1 || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  auto st = std::make_shared<Shared>();
+  const Body* body = &fn;
+  // Workers take runs of consecutive units (about 8 runs per thread): neighbouring units write
+  // neighbouring outputs, so runs keep threads off each other's cache lines and still balance load.
+  const int64_t chunk = std::max<int64_t>(1, n / (8 * static_cast<int64_t>(threads)));
+  auto take = [st, body, n, chunk]() {
+    for (int64_t i0; (i0 = st->next.fetch_add(chunk)) < n;)
+      for (int64_t i = i0, end = std::min(n, i0 + chunk); i < end; ++i) (*body)(i);
+  };
+  auto work = [st, take]() {
+    st->active.fetch_add(1);
+    take();
+    if (st->active.fetch_sub(1) == 1) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->cv.notify_all();
+    }
+  };
+  int helpers = static_cast<int>(std::min<int64_t>(threads, n)) - 1;
+  for (int t = 0; t < helpers; ++t) spawn(work);
+  st->active.fetch_add(1);
+  take();
+  st->active.fetch_sub(1);
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->active.load() == 0; });
+}
+
+struct Pool {
+  int threads;
+  Spawn spawn;
+  void run(int64_t n, const Body& fn) const { parallel_for(n, threads, spawn, fn); }
+};
+
+// Host pool: threads spawned per call (the host path computes a few cold experts at a time).
+Pool host_pool(int threads) {
+  if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  return Pool{threads, [](std::function<void()> task) { std::thread(std::move(task)).detach(); }};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row kernels
+// ---------------------------------------------------------------------------------------------
+
+std::string check_type(int qtype) {
+  if (qtype < 0 || qtype >= GGML_TYPE_COUNT) return "unknown ggml type id " + std::to_string(qtype);
+  auto type = static_cast<ggml_type>(qtype);
+  const auto* tr = ggml_get_type_traits_cpu(type);
+  if (ggml_get_type_traits(type)->blck_size == 0 || tr->vec_dot == nullptr)
+    return std::string("ggml's CPU backend has no vec_dot for ") + ggml_type_name(type);
+  if (tr->vec_dot_type != GGML_TYPE_F32 && ggml_get_type_traits_cpu(tr->vec_dot_type)->from_float == nullptr)
+    return std::string("ggml's CPU backend has no from_float for ") + ggml_type_name(tr->vec_dot_type);
+  return "";
+}
+
+// One weight type's kernels for rows of K values.
+struct Kernel {
+  ggml_vec_dot_t vec_dot;
+  ggml_from_float_t from_float;  // nullptr: activations stay f32
+  size_t w_row;                  // bytes of one weight row
+  size_t q_row;                  // bytes of one quantized activation row
+  int64_t k;
+
+  Kernel(int qtype, int64_t k_) : k(k_) {
+    auto type = static_cast<ggml_type>(qtype);
+    const auto* tr = ggml_get_type_traits_cpu(type);
+    vec_dot = tr->vec_dot;
+    from_float = tr->vec_dot_type == GGML_TYPE_F32 ? nullptr : ggml_get_type_traits_cpu(tr->vec_dot_type)->from_float;
+    w_row = ggml_row_size(type, k);
+    q_row = ggml_row_size(tr->vec_dot_type, k);
+  }
+
+  void quantize(const float* x, uint8_t* q) const {
+    if (from_float) from_float(x, q, k);
+    else std::memcpy(q, x, sizeof(float) * k);
+  }
+
+  float dot(const uint8_t* w, const uint8_t* q) const {
+    float s;
+    vec_dot(static_cast<int>(k), &s, 0, w, 0, q, 0, 1);
+    return s;
+  }
+};
+
+// Checks that weight rows of `row_bytes` hold K values of `qtype`; "" when they do.
+std::string check_rows(int qtype, int64_t k, int64_t row_bytes) {
+  std::string err = check_type(qtype);
+  if (!err.empty()) return err;
+  auto type = static_cast<ggml_type>(qtype);
+  int64_t blck = ggml_blck_size(type);
+  if (k % blck != 0)
+    return std::string(ggml_type_name(type)) + " rows need a multiple of " + std::to_string(blck) + " values, got " +
+           std::to_string(k);
+  if (static_cast<int64_t>(ggml_row_size(type, k)) != row_bytes)
+    return std::string(ggml_type_name(type)) + " row of " + std::to_string(k) + " values is " +
+           std::to_string(ggml_row_size(type, k)) + " bytes, got " + std::to_string(row_bytes);
+  return "";
+}
+
+// out[m, n] = vec_dot(w[n], q[m]) for n in [n0, n1): the weight rows of the tile stay in cache while
+// every activation row passes over them.
+void tile_product(const Kernel& kr, const uint8_t* w, const uint8_t* q, int64_t m_rows, int64_t n0, int64_t n1,
+                  float* out, int64_t out_stride) {
+  for (int64_t m = 0; m < m_rows; ++m) {
+    const uint8_t* qm = q + m * kr.q_row;
+    float* om = out + m * out_stride;
+    for (int64_t n = n0; n < n1; ++n) om[n] = kr.dot(w + n * kr.w_row, qm);
+  }
+}
+
+// y[M, N] = x[M, K] @ W[N, K].T with W in ggml blocks.
+void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int qtype,
+            float* y) {
+  if (m_rows == 0 || n_rows == 0) return;
+  Kernel kr(qtype, k);
+  std::vector<uint8_t> q(kr.q_row * m_rows);
+  pool.run(m_rows, [&](int64_t m) { kr.quantize(x + m * k, q.data() + m * kr.q_row); });
+  int64_t tiles = (n_rows + kTileRows - 1) / kTileRows;
+  pool.run(tiles, [&](int64_t t) {
+    int64_t n0 = t * kTileRows, n1 = std::min(n_rows, n0 + kTileRows);
+    tile_product(kr, w, q.data(), m_rows, n0, n1, y, n_rows);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routed experts: Y[i, j] = down_e(silu(gate_e(x_i)) * up_e(x_i)), e = ids[i, j]
+// ---------------------------------------------------------------------------------------------
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = silu(g[i]) * u[i];
+}
+
+struct ExpertWeights {
+  const uint8_t* gate;
+  const uint8_t* up;
+  const uint8_t* down;
+  int64_t n_experts, d, f;
+  int gate_type, up_type, down_type;
+};
+
+std::string check_experts(const ExpertWeights& ew, int64_t rb_gate, int64_t rb_up, int64_t rb_down) {
+  std::string err = check_rows(ew.gate_type, ew.d, rb_gate);
+  if (err.empty()) err = check_rows(ew.up_type, ew.d, rb_up);
+  if (err.empty()) err = check_rows(ew.down_type, ew.f, rb_down);
+  return err;
+}
+
+// A group: the (token, rank) pairs one expert computes together.
+struct Group {
+  int64_t expert;
+  std::vector<int64_t> pairs;  // flat pair index i * k + j
+};
+
+// Computes the groups' outputs in y[N * k, D]. `xq_*`: each token's activation quantized for gate / up.
+void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Group>& groups, int64_t k_top,
+                const Kernel& kg, const Kernel& ku, const Kernel& kd, const uint8_t* xq_g, const uint8_t* xq_u,
+                float* y) {
+  const int64_t F = ew.f, D = ew.d;
+  // Work units per group: F-tiles for gate/up, D-tiles for down; pairs are numbered across groups.
+  std::vector<int64_t> pair_base(groups.size() + 1, 0);
+  for (size_t g = 0; g < groups.size(); ++g) pair_base[g + 1] = pair_base[g] + groups[g].pairs.size();
+  const int64_t n_pairs = pair_base.back();
+  std::vector<float> gate(n_pairs * F), up(n_pairs * F);
+  std::vector<uint8_t> hq(n_pairs * kd.q_row);
+  const int64_t f_tiles = (F + kTileRows - 1) / kTileRows, d_tiles = (D + kTileRows - 1) / kTileRows;
+  const size_t gate_expert = ew.f * kg.w_row, up_expert = ew.f * ku.w_row, down_expert = ew.d * kd.w_row;
+
+  // Phase A units: (group, F-tile, gate or up); a unit keeps its 16 weight rows hot over the group's pairs.
+  pool.run(static_cast<int64_t>(groups.size()) * f_tiles * 2, [&](int64_t u) {
+    const bool is_up = u & 1;
+    u >>= 1;
+    const Group& grp = groups[u / f_tiles];
+    int64_t n0 = (u % f_tiles) * kTileRows, n1 = std::min(F, n0 + kTileRows);
+    const Kernel& kr = is_up ? ku : kg;
+    const uint8_t* w = is_up ? ew.up + grp.expert * up_expert : ew.gate + grp.expert * gate_expert;
+    const uint8_t* xq = is_up ? xq_u : xq_g;
+    float* out = (is_up ? up.data() : gate.data()) + pair_base[u / f_tiles] * F;
+    for (size_t p = 0; p < grp.pairs.size(); ++p) {
+      const uint8_t* xp = xq + (grp.pairs[p] / k_top) * kr.q_row;
+      for (int64_t n = n0; n < n1; ++n) out[p * F + n] = kr.dot(w + n * kr.w_row, xp);
+    }
+  });
+  pool.run(n_pairs, [&](int64_t p) {
+    std::vector<float> h(F);
+    silu_mul(gate.data() + p * F, up.data() + p * F, h.data(), F);
+    kd.quantize(h.data(), hq.data() + p * kd.q_row);
+  });
+  pool.run(static_cast<int64_t>(groups.size()) * d_tiles, [&](int64_t u) {
+    const Group& grp = groups[u / d_tiles];
+    int64_t n0 = (u % d_tiles) * kTileRows, n1 = std::min(D, n0 + kTileRows);
+    const uint8_t* wd = ew.down + grp.expert * down_expert;
+    int64_t base = pair_base[u / d_tiles];
+    for (size_t p = 0; p < grp.pairs.size(); ++p) {
+      float* out = y + grp.pairs[p] * D;
+      const uint8_t* hp = hq.data() + (base + p) * kd.q_row;
+      for (int64_t n = n0; n < n1; ++n) out[n] = kd.dot(wd + n * kd.w_row, hp);
+    }
+  });
+}
+
+// mode 0 = grouped (each used expert once, for all its pairs), 1 = per token (pairs in (i, j) order).
+// Returns "" or the problem (an expert id out of range).
+std::string expert_rows(const Pool& pool, const float* x, const int32_t* ids, int64_t n_tok, int64_t k_top,
+                        const ExpertWeights& ew, int mode, float* y) {
+  // id -1 marks a pair this call does not compute (another device's expert under expert parallelism):
+  // its output row is +0.0, so an integer sum of bit patterns over devices leaves the owner's bits.
+  for (int64_t p = 0; p < n_tok * k_top; ++p) {
+    if (ids[p] < -1 || ids[p] >= ew.n_experts)
+      return "expert id " + std::to_string(ids[p]) + " out of range [0, " + std::to_string(ew.n_experts) + ")";
+    if (ids[p] == -1) std::fill(y + p * ew.d, y + (p + 1) * ew.d, 0.0f);
+  }
+  if (n_tok == 0 || k_top == 0) return "";
+  Kernel kg(ew.gate_type, ew.d), ku(ew.up_type, ew.d), kd(ew.down_type, ew.f);
+  std::vector<uint8_t> xq_g(n_tok * kg.q_row), xq_u;
+  pool.run(n_tok, [&](int64_t i) { kg.quantize(x + i * ew.d, xq_g.data() + i * kg.q_row); });
+  const uint8_t* xq_up = xq_g.data();
+  if (ku.from_float != kg.from_float) {  // gate and up differ in vec_dot_type: quantize once for each
+    xq_u.resize(n_tok * ku.q_row);
+    pool.run(n_tok, [&](int64_t i) { ku.quantize(x + i * ew.d, xq_u.data() + i * ku.q_row); });
+    xq_up = xq_u.data();
+  }
+  if (mode == 0) {
+    std::vector<int64_t> slot(ew.n_experts, -1);
+    std::vector<Group> groups;
+    for (int64_t p = 0; p < n_tok * k_top; ++p) {
+      int64_t e = ids[p];
+      if (e < 0) continue;
+      if (slot[e] < 0) {
+        slot[e] = static_cast<int64_t>(groups.size());
+        groups.push_back(Group{e, {}});
+      }
+      groups[slot[e]].pairs.push_back(p);
+    }
+    run_groups(pool, ew, groups, k_top, kg, ku, kd, xq_g.data(), xq_up, y);
+  } else {
+    for (int64_t p = 0; p < n_tok * k_top; ++p)
+      if (ids[p] >= 0) run_groups(pool, ew, {Group{ids[p], {p}}}, k_top, kg, ku, kd, xq_g.data(), xq_up, y);
+  }
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// XLA FFI handlers
+// ---------------------------------------------------------------------------------------------
+
+Pool xla_pool(ffi::ThreadPool tp) {
+  int threads = static_cast<int>(std::max<int64_t>(1, tp.num_threads()));
+  // ThreadPool is a thin handle valid for this call; parallel_for returns before the call does.
+  auto holder = std::make_shared<ffi::ThreadPool>(tp);
+  return Pool{threads, [holder](std::function<void()> task) { holder->Schedule(std::move(task)); }};
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, int32_t qtype,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("ggml matmul: x and w must be 2-D");
+  std::string err = check_rows(qtype, xd[1], wd[1]);
+  if (!err.empty()) return ffi::Error::InvalidArgument("ggml matmul: " + err);
+  matmul(xla_pool(tp), x.typed_data(), xd[0], xd[1], w.typed_data(), wd[0], qtype, y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error ExpertRowsImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                          ffi::Buffer<ffi::U8> gate, ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
+                          int32_t gate_type, int32_t up_type, int32_t down_type, int32_t mode,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), idd = ids.dimensions(), gd = gate.dimensions(), ud = up.dimensions(),
+       dd = down.dimensions();
+  if (xd.size() != 2 || idd.size() != 2 || gd.size() != 3 || ud.size() != 3 || dd.size() != 3)
+    return ffi::Error::InvalidArgument("ggml expert_rows: x [N, D], ids [N, k], gate/up/down [E, rows, bytes]");
+  ExpertWeights ew{gate.typed_data(), up.typed_data(), down.typed_data(), gd[0], xd[1], gd[1],
+                   gate_type, up_type, down_type};
+  std::string err = check_experts(ew, gd[2], ud[2], dd[2]);
+  if (err.empty()) err = expert_rows(xla_pool(tp), x.typed_data(), ids.typed_data(), xd[0], idd[1], ew, mode,
+                                     y->typed_data());
+  if (!err.empty()) return ffi::Error::InvalidArgument("ggml expert_rows: " + err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGgmlMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int32_t>("qtype")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGgmlExpertRows, ExpertRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int32_t>("gate_type")
+                                  .Attr<int32_t>("up_type")
+                                  .Attr<int32_t>("down_type")
+                                  .Attr<int32_t>("mode")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// ---------------------------------------------------------------------------------------------
+// Python module: FFI capsules and the same computations on host arrays (no JAX)
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+using F32In = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using U8In2 = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using U8In3 = nb::ndarray<const uint8_t, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
+using I32In = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using F32Out = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+
+void fail_if(const std::string& err, const char* what) {
+  if (!err.empty()) throw nb::value_error((std::string(what) + ": " + err).c_str());
+}
+
+void host_matmul(F32In x, U8In2 w, int qtype, F32Out y, int threads) {
+  fail_if(check_rows(qtype, x.shape(1), w.shape(1)), "ggml matmul");
+  if (y.size() != x.shape(0) * w.shape(0)) throw nb::value_error("ggml matmul: y must hold M * N floats");
+  nb::gil_scoped_release release;
+  matmul(host_pool(threads), x.data(), x.shape(0), x.shape(1), w.data(), w.shape(0), qtype, y.data());
+}
+
+void host_expert_rows(F32In x, I32In ids, U8In3 gate, U8In3 up, U8In3 down, int gate_type, int up_type,
+                      int down_type, int mode, F32Out y, int threads) {
+  if (ids.shape(0) != x.shape(0) || gate.shape(0) != up.shape(0) || gate.shape(0) != down.shape(0) ||
+      gate.shape(1) != up.shape(1) || down.shape(1) != x.shape(1))
+    throw nb::value_error("ggml expert_rows: x [N, D], ids [N, k], gate/up [E, F, *], down [E, D, *] disagree");
+  if (y.size() != x.shape(0) * ids.shape(1) * x.shape(1))
+    throw nb::value_error("ggml expert_rows: y must hold N * k * D floats");
+  ExpertWeights ew{gate.data(), up.data(), down.data(), static_cast<int64_t>(gate.shape(0)),
+                   static_cast<int64_t>(x.shape(1)), static_cast<int64_t>(gate.shape(1)), gate_type, up_type,
+                   down_type};
+  fail_if(check_experts(ew, gate.shape(2), up.shape(2), down.shape(2)), "ggml expert_rows");
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = expert_rows(host_pool(threads), x.data(), ids.data(), x.shape(0), ids.shape(1), ew, mode, y.data());
+  }
+  fail_if(err, "ggml expert_rows");
+}
+
+void host_silu_mul(nb::ndarray<const float, nb::c_contig, nb::device::cpu> g,
+                   nb::ndarray<const float, nb::c_contig, nb::device::cpu> u, F32Out h) {
+  if (g.size() != u.size() || g.size() != h.size()) throw nb::value_error("silu_mul: g, u, h differ in size");
+  silu_mul(g.data(), u.data(), h.data(), static_cast<int64_t>(g.size()));
+}
+
+}  // namespace
+
+NB_MODULE(_ggml, m) {
+  ggml_cpu_init();
+  m.doc() = "ggml CPU kernels (from_float + vec_dot) for GGUF blocks: XLA FFI handlers and host functions.";
+  m.def("ffi_targets", []() {
+    nb::dict d;
+    d["sharpi_ggml_matmul"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlMatmul));
+    d["sharpi_ggml_expert_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlExpertRows));
+    return d;
+  });
+  m.def("check_type", &check_type, "\"\" if ggml's CPU backend multiplies this type, else why not.");
+  m.def("check_rows", &check_rows, "\"\" if weight rows of row_bytes hold K values of qtype, else why not.");
+  m.def("vec_dot_type", [](int qtype) { return static_cast<int>(ggml_get_type_traits_cpu(static_cast<ggml_type>(qtype))->vec_dot_type); });
+  m.def("matmul", &host_matmul, nb::arg("x"), nb::arg("w"), nb::arg("qtype"), nb::arg("y"), nb::arg("threads") = 1,
+        "y[M, N] = x[M, K] @ W[N, K].T, W as GGUF blocks (same bits as the FFI op).");
+  m.def("expert_rows", &host_expert_rows, nb::arg("x"), nb::arg("ids"), nb::arg("gate"), nb::arg("up"),
+        nb::arg("down"), nb::arg("gate_type"), nb::arg("up_type"), nb::arg("down_type"), nb::arg("mode"), nb::arg("y"),
+        nb::arg("threads") = 1, "y[N, k, D]: unreduced routed-expert outputs (same bits as the FFI op).");
+  m.def("silu_mul", &host_silu_mul, "h = silu(g) * u with the expert op's own SiLU.");
+}

@@ -1,0 +1,41 @@
+"""The machine's measured copy bandwidth: the ceiling a weight-streaming kernel is compared against.
+
+    python -m experiments.bandwidth            # 512 MiB buffer, 7 rounds
+
+`copy_bandwidth()` times `np.copyto` of a large float buffer (larger than any cache) into another and
+reports GB/s of bytes read (the figure a matmul's "GB/s of weight bytes" is set beside: a copy also
+writes as many bytes, so a streaming read can approach 2x this on some machines), median/min/max over
+rounds. One thread: numpy's copy is single-threaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from experiments.timing import spread
+
+
+def copy_bandwidth(mib: int = 512, rounds: int = 7) -> dict[str, float]:
+    """{"median", "min", "max"} GB/s (1e9 bytes/s) of bytes read by a numpy copy of `mib` MiB."""
+    src = np.ones(mib * 2**20 // 8, np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # first touch of both buffers, unrecorded
+    rates = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        rates.append(src.nbytes / (time.perf_counter() - t0) / 1e9)
+    return spread(rates)
+
+
+def main(argv=None) -> None:
+    mib = int(argv[1]) if argv and len(argv) > 1 else 512
+    s = copy_bandwidth(mib)
+    print(f"copy bandwidth ({mib} MiB, numpy, 1 thread): {s['median']:.2f} GB/s [{s['min']:.2f}-{s['max']:.2f}]")
+
+
+if __name__ == "__main__":
+    main(sys.argv)

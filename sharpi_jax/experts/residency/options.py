@@ -1,0 +1,79 @@
+"""The residency load options, checked where they enter (`sj.load` -> `residency.configure`).
+
+Each option is checked for type and range before anything is planned or read, so a wrong value ends in
+one `InputError` naming the option, never a raw `ValueError` from `int()` deep in the planner. Checks
+that need the model (expert_staging >= top-k, budgets >= their minimum, counts of n_expert) stay with
+the planner (`plan`) and the counts reader (`counts`), which also raise `InputError`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from sharpi_jax.errors import InputError, shown
+from sharpi_jax.experts.residency.policies import POLICIES
+from sharpi_jax.experts.streaming import COLD_MODES
+
+OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",
+                "expert_prefetch", "device_budget")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _int_at_least(name: str, v: Any, low: int, what: str) -> int | None:
+    if v is None:
+        return None
+    if not _is_int(v) or v < low:
+        raise InputError(f"{name} must be {what}, got {shown(v)}")
+    return int(v)
+
+
+def _choice(name: str, v: Any, choices: tuple) -> None:
+    if not isinstance(v, str) or v not in choices:
+        raise InputError(f"{name} must be one of {choices}, got {shown(v)}")
+
+
+def check_policy(policy: Any) -> str:
+    """expert_policy: one of POLICIES."""
+    _choice("expert_policy", policy, POLICIES)
+    return policy
+
+
+def check_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The residency options (`OPTION_NAMES`) with types and ranges checked -> {name: value or None};
+    an unknown name or a wrong value raises InputError naming it."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise InputError(f"unknown load option(s) {shown(unknown)}; residency options are {OPTION_NAMES}")
+    out = {n: options.get(n) for n in OPTION_NAMES}
+    out["device_budget"] = _int_at_least("device_budget", out["device_budget"], 0,
+                                         "a non-negative integer number of bytes")
+    out["expert_staging"] = _int_at_least("expert_staging", out["expert_staging"], 1,
+                                          "a positive integer number of experts (at least top-k)")
+    out["expert_stream_min_rows"] = _int_at_least("expert_stream_min_rows", out["expert_stream_min_rows"], 0,
+                                                  "a non-negative integer number of rows")
+    out["expert_prefetch"] = _int_at_least("expert_prefetch", out["expert_prefetch"], 0,
+                                           "a non-negative integer number of experts madvise'd ahead per layer")
+    ring = out["expert_ring"]
+    if ring is not None:
+        ok = isinstance(ring, (int, float, np.integer, np.floating)) and not isinstance(ring, (bool, np.bool_))
+        if not ok or not math.isfinite(float(ring)) or not 0.0 <= float(ring) <= 1.0:
+            raise InputError(f"expert_ring must be a fraction in [0, 1], got {shown(ring)}")
+        out["expert_ring"] = float(ring)
+    if out["expert_cold"] is not None:
+        _choice("expert_cold", out["expert_cold"], COLD_MODES)
+    counts = out["expert_counts"]
+    if counts is not None and not isinstance(counts, (Mapping, str, os.PathLike)):
+        raise InputError(f"expert_counts must be a dict {{layer: [counts]}} or a JSON path, got "
+                         f"{type(counts).__name__}")
+    if isinstance(counts, (str, os.PathLike)):
+        text = os.fspath(counts)
+        if not isinstance(text, str) or not text or "\0" in text:
+            raise InputError(f"expert_counts path {shown(counts)} is not a valid file name")
+    return out

@@ -1,0 +1,195 @@
+"""The "ggml" CPU backend: GGUF blocks multiplied by ggml's own kernels, inside jit through the XLA FFI.
+
+The native extension `sharpi_jax.quant._ggml` (csrc/ggml_ops.cc, built by `pip install -e .`) quantizes
+each activation row once with ggml's `from_float` for the weight type's `vec_dot_type` (Q8_K for
+K-quants, Q8_0 for Q4_0 / Q8_0 / ..., f16 for F16, f32 for F32) and computes every output element as
+ggml's `vec_dot` of that row with one weight row as stored in the file: the same arithmetic as ggml's
+mul_mat wherever ggml computes a product by vec_dot. Output row m depends only on x[m] (row-stable: a
+row has the same bits for any batch size).
+
+- `available()` / `unavailable_reason()`: whether the extension loaded (the reason names cause and fix).
+- `serves(qtype)`: the ggml types this backend computes.
+- `matmul(x, raw, qtype)`: x[M, K] @ W[N, K].T, W as GGUF bytes uint8[N, row_bytes]; one FFI call.
+- `expert_rows(x, ids, gate, up, down, qtypes, mode)`: unreduced routed-expert outputs [N, k, D].
+- `host_matmul` / `host_expert_rows`: the same computations on numpy arrays (no JAX, e.g. straight from
+  the read-only mmap of a GGUF), same bits as the FFI ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from sharpi_jax.errors import InputError, SharpiError, UnsupportedQuantError
+
+Q = GGMLQuantizationType
+MODES = ("grouped", "per_token")
+
+# Every type the project reads that ggml's CPU backend multiplies by vec_dot.
+SERVED_TYPES = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
+    Q.TQ1_0, Q.TQ2_0,
+})
+
+
+class GgmlUnavailableError(SharpiError, RuntimeError):
+    """The ggml backend was asked for but its native extension did not load."""
+
+
+def _preload_libggml() -> None:
+    """Load libggml's libraries process-wide, so the extension resolves them wherever it was built."""
+    import libggml
+
+    lib = os.path.join(os.path.dirname(libggml.__file__), "lib64")
+    for name in ("libggml-base.so", "libggml-cpu.so"):
+        ctypes.CDLL(os.path.join(lib, name), mode=ctypes.RTLD_GLOBAL)
+
+
+@functools.cache
+def _load():
+    """(extension module, None) or (None, one-line reason)."""
+    try:
+        _preload_libggml()
+    except (ImportError, OSError) as e:
+        return None, f"libggml-python missing or broken ({e}); fix: pip install libggml-python"
+    try:
+        from sharpi_jax.quant import _ggml
+    except ImportError as e:
+        return None, f"native extension sharpi_jax.quant._ggml not built ({e}); fix: pip install -e ."
+    for name, capsule in _ggml.ffi_targets().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return _ggml, None
+
+
+def available() -> bool:
+    """Whether the native extension loaded (then every type in `SERVED_TYPES` is served)."""
+    return _load()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """None when available, else one line naming the cause and the fix."""
+    return _load()[1]
+
+
+def serves(qtype: int) -> bool:
+    """Whether this backend computes weights of ggml type `qtype` (False when it is unavailable)."""
+    return available() and int(qtype) in SERVED_TYPES
+
+
+def _ext():
+    ext, reason = _load()
+    if ext is None:
+        raise GgmlUnavailableError(f"kernels='ggml' unavailable: {reason}")
+    return ext
+
+
+def _check_rows(qtype: int, k: int, row_bytes: int, what: str) -> None:
+    if int(qtype) not in SERVED_TYPES:
+        raise UnsupportedQuantError(f"{what}: ggml backend does not serve type {Q(int(qtype)).name}")
+    err = _ext().check_rows(int(qtype), int(k), int(row_bytes))
+    if err:
+        raise InputError(f"{what}: {err}")
+
+
+def matmul(x: jax.Array, raw: jax.Array, qtype: int) -> jax.Array:
+    """f32[..., N] = x[..., K] @ W.T, W the GGUF blocks uint8[N, row_bytes] of type `qtype` (jittable)."""
+    if raw.ndim != 2 or raw.dtype != jnp.uint8:
+        raise InputError(f"ggml matmul: weights must be uint8[N, row_bytes], got {raw.dtype}{list(raw.shape)}")
+    k = x.shape[-1]
+    _check_rows(qtype, k, raw.shape[1], "ggml matmul")
+    lead = x.shape[:-1]
+    x2 = jnp.asarray(x, jnp.float32).reshape(-1, k)
+    out = jax.ffi.ffi_call("sharpi_ggml_matmul", jax.ShapeDtypeStruct((x2.shape[0], raw.shape[0]), jnp.float32),
+                           vmap_method="sequential")(x2, raw, qtype=np.int32(int(qtype)))
+    return out.reshape(*lead, raw.shape[0])
+
+
+def _expert_args(x_shape, ids_shape, gate_shape, up_shape, down_shape, qtypes: Sequence[int], mode: str):
+    if mode not in MODES:
+        raise InputError(f"ggml expert_rows: mode must be one of {MODES}, got {mode!r}")
+    if len(qtypes) != 3:
+        raise InputError(f"ggml expert_rows: qtypes must be (gate, up, down), got {qtypes!r}")
+    (n, d), (n2, _) = x_shape, ids_shape
+    e, f = gate_shape[:2]
+    if n2 != n or tuple(up_shape[:2]) != (e, f) or tuple(down_shape[:2]) != (e, d):
+        raise InputError(f"ggml expert_rows: x {list(x_shape)}, ids {list(ids_shape)}, gate {list(gate_shape)}, "
+                         f"up {list(up_shape)}, down {list(down_shape)} disagree (want x [N, D], ids [N, k], "
+                         "gate / up [E, F, bytes], down [E, D, bytes])")
+    for what, qt, k, rb in (("gate", qtypes[0], d, gate_shape[2]), ("up", qtypes[1], d, up_shape[2]),
+                            ("down", qtypes[2], f, down_shape[2])):
+        _check_rows(qt, k, rb, f"ggml expert_rows ({what})")
+    return dict(gate_type=np.int32(int(qtypes[0])), up_type=np.int32(int(qtypes[1])),
+                down_type=np.int32(int(qtypes[2])), mode=np.int32(MODES.index(mode)))
+
+
+def expert_rows(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                qtypes: Sequence[int], mode: str = "grouped") -> jax.Array:
+    """Unreduced routed-expert outputs f32[N, k, D] (jittable, one FFI call).
+
+    Y[i, j] = down_e(silu(gate_e(x_i)) * up_e(x_i)) with e = ids[i, j]; gate / up uint8[E, F, row_bytes],
+    down uint8[E, D, row_bytes] as GGUF blocks of types `qtypes` = (gate, up, down). "grouped" reads each
+    used expert once for all its rows, "per_token" computes the (i, j) pairs one by one; both give the
+    same bits (same row kernels, same SiLU). An expert id outside [0, E) fails the call.
+    """
+    attrs = _expert_args(x.shape, ids.shape, gate.shape, up.shape, down.shape, qtypes, mode)
+    n, k = ids.shape
+    return jax.ffi.ffi_call("sharpi_ggml_expert_rows", jax.ShapeDtypeStruct((n, k, x.shape[1]), jnp.float32),
+                            vmap_method="sequential")(
+        jnp.asarray(x, jnp.float32), jnp.asarray(ids, jnp.int32), gate, up, down, **attrs)
+
+
+def expert_reads(ids: jax.Array, n_experts: int, mode: str = "grouped") -> jax.Array:
+    """Expert reads `expert_rows` executes for `ids` (grouped: distinct experts; per_token: N * k)."""
+    if mode == "per_token":
+        return jnp.asarray(ids.size, jnp.int32)
+    used = jnp.zeros((n_experts,), jnp.bool_).at[ids.reshape(-1)].set(True)
+    return used.sum(dtype=jnp.int32)
+
+
+def expert_bytes(gate: jax.Array, up: jax.Array, down: jax.Array) -> int:
+    """Bytes one expert read costs (its gate, up and down blocks)."""
+    return int(np.prod(gate.shape[1:]) + np.prod(up.shape[1:]) + np.prod(down.shape[1:]))
+
+
+def host_matmul(x: np.ndarray, raw: np.ndarray, qtype: int, threads: int = 1) -> np.ndarray:
+    """`matmul` on host arrays (no JAX); `raw` may be a read-only mmap view. Same bits as `matmul`."""
+    ext = _ext()
+    x = np.ascontiguousarray(x, np.float32)
+    raw = np.ascontiguousarray(raw)
+    _check_rows(qtype, x.shape[-1], raw.shape[1], "ggml host_matmul")
+    x2 = x.reshape(-1, x.shape[-1])
+    y = np.empty((x2.shape[0], raw.shape[0]), np.float32)
+    ext.matmul(x2, raw, int(qtype), y, threads)
+    return y.reshape(*x.shape[:-1], raw.shape[0])
+
+
+def host_expert_rows(x: np.ndarray, ids: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                     qtypes: Sequence[int], mode: str = "grouped", threads: int = 1) -> np.ndarray:
+    """`expert_rows` on host arrays (no JAX, no float copy of the weights). Same bits as `expert_rows`."""
+    ext = _ext()
+    x = np.ascontiguousarray(x, np.float32)
+    ids = np.ascontiguousarray(ids, np.int32)
+    gate, up, down = (np.ascontiguousarray(a) for a in (gate, up, down))
+    attrs = _expert_args(x.shape, ids.shape, gate.shape, up.shape, down.shape, qtypes, mode)
+    y = np.empty((ids.shape[0], ids.shape[1], x.shape[1]), np.float32)
+    try:
+        ext.expert_rows(x, ids, gate, up, down, *(int(v) for v in attrs.values()), y, threads)
+    except ValueError as e:  # an expert id out of range
+        raise InputError(str(e)) from None
+    return y
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u with the expert op's own SiLU (host)."""
+    g, u = np.ascontiguousarray(g, np.float32), np.ascontiguousarray(u, np.float32)
+    h = np.empty_like(g)
+    _ext().silu_mul(g, u, h)
+    return h

@@ -1,0 +1,144 @@
+"""Mutation check: apply each named mutation of `tests.mutations` to a scratch copy of the repo and run
+the fast tests expected to kill it.
+
+    python -m tests.mutation_check [--only NAME[,NAME]] [--list] [--wider] [--json PATH] [--timeout S]
+
+Per mutation: the repo (without .git, .venv, caches) is copied to a temporary directory, the edits are
+applied (each original snippet must occur exactly once, else the mutation is STALE: reported loudly,
+never counted as killed or survived), and `python -m pytest -x -q` runs the mutation's tests with the
+copy as cwd (so the copy's package is imported; checked) and SHARPI_FIXTURES pointing at the real
+fixtures. Killed = pytest exits 1 (a test failed); the failing tests are recorded. Exit status: 0 when
+every mutation was killed, 1 otherwise (a survivor, a stale snippet, or a run that errored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.conftest import FIXTURES, REPO_ROOT
+from tests.mutations import MUTATIONS, Mutation, by_name
+
+IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "results", "*.egg-info")
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    status: str  # killed | survived | stale | error
+    failed: list[str]
+    seconds: float
+    detail: str = ""
+
+
+def apply(root: Path, m: Mutation) -> str | None:
+    """Apply m's edits under root. Returns None, or why the mutation is stale."""
+    path = root / m.file
+    if not path.is_file():
+        return f"{m.file} does not exist"
+    text = path.read_text()
+    for orig, repl in m.edits:
+        n = text.count(orig)
+        if n != 1:
+            return f"snippet found {n} times in {m.file} (expected once): {orig.strip()[:70]!r}"
+        text = text.replace(orig, repl)
+    path.write_text(text)
+    return None
+
+
+def stale_reason(m: Mutation, root: Path = REPO_ROOT) -> str | None:
+    """Why m no longer applies to the tree at root (None: every snippet occurs exactly once)."""
+    path = root / m.file
+    if not path.is_file():
+        return f"{m.file} does not exist"
+    text = path.read_text()
+    for orig, _ in m.edits:
+        if text.count(orig) != 1:
+            return f"snippet found {text.count(orig)} times in {m.file}: {orig.strip()[:70]!r}"
+    return None
+
+
+def run_one(m: Mutation, wider: bool, timeout: float) -> Result:
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{m.name}-") as tmp:
+        root = Path(tmp) / "repo"
+        shutil.copytree(REPO_ROOT, root, ignore=IGNORE)
+        why = apply(root, m)
+        if why:
+            return Result(m.name, "stale", [], time.perf_counter() - t0, why)
+        env = dict(os.environ, SHARPI_FIXTURES=str(FIXTURES), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+                   PYTHONDONTWRITEBYTECODE="1")
+        env.pop("PYTHONPATH", None)
+        probe = subprocess.run([sys.executable, "-c", "import sharpi_jax, pallas_kernels; "
+                                "print(sharpi_jax.__file__); print(pallas_kernels.__file__)"],
+                               cwd=root, env=env, capture_output=True, text=True)
+        if probe.returncode != 0 or any(not Path(p).resolve().is_relative_to(root.resolve())
+                                        for p in probe.stdout.split()):
+            return Result(m.name, "error", [], time.perf_counter() - t0,
+                          f"the copy's package is not the one imported: {probe.stdout.strip()} {probe.stderr[-300:]}")
+        args = list(m.tests) + (list(m.wider) if wider else [])
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *args]
+        try:
+            p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return Result(m.name, "error", [], time.perf_counter() - t0, f"timed out after {timeout:.0f} s")
+        out = p.stdout + p.stderr
+        failed = re.findall(r"^FAILED (\S+)", out, re.M)
+        tail = out.strip().splitlines()[-1] if out.strip() else ""
+        if p.returncode == 1:
+            status = "killed"
+        elif p.returncode == 0:
+            status = "survived"
+        else:
+            status = "error"  # collection error, usage error, no tests collected (5): not a kill
+            tail = out[-600:]
+        return Result(m.name, status, failed, time.perf_counter() - t0, tail)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", default=[], help="mutation name(s), comma-separated; repeatable")
+    ap.add_argument("--list", action="store_true", help="list the mutations (and whether they still apply)")
+    ap.add_argument("--wider", action="store_true", help="also run each mutation's wider test selection")
+    ap.add_argument("--json", default=str(Path(tempfile.gettempdir()) / "mutation_check.json"),
+                    help="where to write the JSON report")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per mutation's test run")
+    a = ap.parse_args(argv)
+    names = [n for o in a.only for n in o.split(",") if n]
+    muts = [by_name(n) for n in names] if names else list(MUTATIONS)
+    if a.list:
+        for m in muts:
+            why = stale_reason(m)
+            print(f"{m.name:34s} {'STALE: ' + why if why else 'ok':10s}  {m.file}\n    promise: {m.promise}\n"
+                  f"    tests: {' '.join(m.tests)}")
+        return 0
+    results = []
+    for m in muts:
+        print(f"[mutation_check] {m.name} ...", flush=True)
+        r = run_one(m, a.wider, a.timeout)
+        if r.status == "stale":
+            print(f"[mutation_check] !!! STALE MUTATION {m.name}: {r.detail} -- update tests/mutations.py", flush=True)
+        print(f"[mutation_check] {m.name}: {r.status.upper()} in {r.seconds:.0f} s {' '.join(r.failed)}", flush=True)
+        results.append(r)
+    print(f"\n{'mutation':34s} {'status':9s} {'s':>5s}  killed by")
+    for r in results:
+        print(f"{r.name:34s} {r.status:9s} {r.seconds:5.0f}  {', '.join(r.failed) or r.detail[-100:]}")
+    Path(a.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    print(f"\nJSON: {a.json}")
+    bad = [r.name for r in results if r.status != "killed"]
+    if bad:
+        print(f"NOT KILLED: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

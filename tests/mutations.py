@@ -1,0 +1,211 @@
+"""The named mutations `python -m tests.mutation_check` applies, one at a time, to a scratch copy of the repo.
+
+Each mutation is a small, realistic bug against one promise of the README: the file, the exact original
+snippet(s) (each must occur exactly once, or the mutation is stale and reported as such), the
+replacement, and the fast tests expected to kill it (pytest arguments: node ids, or a file with -k).
+`wider` names a larger selection (`--wider`). A mutation no listed test kills is a missing test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    promise: str  # the README promise it attacks
+    file: str  # relative to the repo root
+    edits: tuple[tuple[str, str], ...]  # (exact original snippet, replacement), applied in order
+    tests: tuple[str, ...]  # pytest arguments of the fast tests expected to kill it
+    wider: tuple[str, ...] = ()  # extra pytest arguments for --wider
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "snapkv_rope_slot",
+        "SnapKV: RoPE and masks use logical positions on a compacted cache",
+        "sharpi_jax/model/attention.py",
+        (("        q = rope_neox(self.q_norm(q), positions, self.n_rot, self.rope_base, self.rope_freq_scale)\n"
+          "        k = rope_neox(self.k_norm(k), positions, self.n_rot, self.rope_base, self.rope_freq_scale)\n",
+          "        rp = positions if shift is None else positions - shift  # MUTATION: the slot, not the position\n"
+          "        q = rope_neox(self.q_norm(q), rp, self.n_rot, self.rope_base, self.rope_freq_scale)\n"
+          "        k = rope_neox(self.k_norm(k), rp, self.n_rot, self.rope_base, self.rope_freq_scale)\n"),),
+        ("tests/runtime/test_snapkv.py::test_evicted_decode_equals_masked_full_cache",),
+        ("tests/runtime/test_snapkv.py",),
+    ),
+    Mutation(
+        "snapkv_raw_queries",
+        "SnapKV scores the window's post-q-norm, post-RoPE queries",
+        "sharpi_jax/model/attention.py",
+        (("return (out, cache_k, cache_v, q) if with_q else",
+          "return (out, cache_k, cache_v, qg[:, :, 0]) if with_q else"),),
+        ("tests/runtime/test_snapkv.py::test_scoring_uses_queries_recomputed_from_the_weights",),
+        ("tests/runtime/test_snapkv.py",),
+    ),
+    Mutation(
+        "snapkv_mtp_cache_oversized",
+        "SnapKV memory: every attention cache, the MTP block's too, holds kv_budget + max_new_tokens slots",
+        "sharpi_jax/runtime/kv_eviction.py",
+        (("(cache,) = compact_all([cache], qs, n_rows, kv, capacity)",
+          "(cache,) = compact_all([cache], qs, n_rows, kv, capacity + 16)  # MUTATION: an oversized MTP cache"),),
+        ("tests/runtime/test_snapkv.py::test_kept_positions_equal_numpy_reference[tiny-qwen35moe]",),
+        ("tests/runtime/test_snapkv.py",),
+    ),
+    Mutation(
+        "tree_chain_only",
+        "the tree is the greedy chain plus the best other candidates by cumulative log-prob",
+        "sharpi_jax/runtime/tree_draft.py",
+        (("        keep += others[:max(0, n_nodes - len(keep))]\n",
+          "        keep += []  # MUTATION: the chain only\n"),),
+        ("tests/runtime/test_tree.py::test_drafter_drafts_the_best_tree",),
+        ("tests/runtime/test_tree.py",),
+    ),
+    Mutation(
+        "topk_reduce_rank_flip",
+        "grouped dispatch bitwise == per-token loop: the top-k weighted sum in rank order",
+        "pallas_kernels/weighted_reduce/reference.py",
+        (("    acc = w[:, 0:1] * y[:, 0]\n    for j in range(1, k):\n        acc = acc + w[:, j:j + 1] * y[:, j]\n",
+          "    acc = w[:, k - 1:k] * y[:, k - 1]  # MUTATION: reversed rank order\n"
+          "    for j in range(k - 2, -1, -1):\n        acc = acc + w[:, j:j + 1] * y[:, j]\n"),),
+        ("tests/pallas_kernels/test_weighted_reduce.py::test_reference_is_rank_order_multiply_then_add",),
+        ("tests/pallas_kernels/test_weighted_reduce.py", "tests/experts/test_dispatch.py"),
+    ),
+    Mutation(
+        "gdn_rollback_off_by_one",
+        "batched MTP verify == sequential verify, GDN snapshots included (rollback = snapshot a)",
+        "sharpi_jax/runtime/speculative.py",
+        (("self.state, self._commit = state, (snaps, len(accepted))",
+          "self.state, self._commit = state, (snaps, max(len(accepted) - 1, 0))  # MUTATION"),),
+        ("tests/runtime/test_speculative.py::test_batched_verify_bitwise_equals_sequential[qwen35moe-F32]",),
+        ("tests/runtime/test_speculative.py",),
+    ),
+    Mutation(
+        "q4k_scale_nibble",
+        "dequantization bitwise == gguf.quants (Q4_K packed 6-bit scales)",
+        "sharpi_jax/gguf/quants.py",
+        (("sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)",
+          "sc = jnp.concatenate([d & 0x3F, (m_d >> 4) | ((d >> 2) & 0x30)], axis=-1)  # MUTATION: high nibble"),),
+        ("tests/gguf/test_quants.py::test_random_blocks_bitwise[Q4_K]",),
+        ("tests/gguf/test_quants.py", "tests/quant/test_matmul.py"),
+    ),
+    Mutation(
+        "causal_mask_drops_diagonal",
+        "F32 logits vs transformers <= 1e-6 (each row attends to itself and the past)",
+        "sharpi_jax/model/attention.py",
+        (("mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= positions[:, None]  # [T, S]",
+          "mask = jnp.arange(S, dtype=jnp.int32)[None, :] < jnp.maximum(positions[:, None], 1)  # MUTATION"),),
+        ("tests/model/test_fixtures.py::test_f32_logits_match_transformers[tiny-qwen35moe]",),
+        ("tests/model/test_fixtures.py",),
+    ),
+    Mutation(
+        "decode_m1_lm_head",
+        "batched verify bitwise == single-token decode (every product through the row-stable M >= 2 path)",
+        "sharpi_jax/runtime/steps.py",
+        (("        return logits[0], hidden[0], select_snapshot(state, snaps, 0), cache_out(model)\n",
+          "        logits = model.lm_head(hidden[:1])  # MUTATION: an M = 1 product in decode only\n"
+          "        return logits[0], hidden[0], select_snapshot(state, snaps, 0), cache_out(model)\n"),),
+        ("tests/runtime/test_steps.py::test_verify_is_bitwise_sequential_decode[3]",),
+        ("tests/runtime/test_steps.py",),
+    ),
+    Mutation(
+        "grouped_reads_each_expert_twice",
+        "grouped dispatch reads each selected expert once per batch (the byte counter)",
+        "sharpi_jax/experts/dispatch.py",
+        (("        e = b.used[ui]\n", "        e = b.used[ui % b.n_used]  # MUTATION: every expert visited twice\n"),
+         ("jax.lax.fori_loop(0, b.n_used, per_expert,", "jax.lax.fori_loop(0, 2 * b.n_used, per_expert,")),
+        ("tests/experts/test_dispatch.py", "-k", "test_grouped_equals_per_token_gemm"),
+        ("tests/experts/test_dispatch.py",),
+    ),
+    Mutation(
+        "residency_streams_wrong_expert",
+        "expert residency (any budget, any policy) is bitwise equal to all-resident",
+        "sharpi_jax/experts/residency/slots.py",
+        (("pos = pos.at[jnp.where(stream_ids >= 0, stream_ids, E)].set(jnp.arange(n_stage, dtype=jnp.int32))",
+          "pos = pos.at[jnp.where(stream_ids >= 0, stream_ids, E)].set(jnp.arange(n_stage, dtype=jnp.int32)[::-1])"),),
+        ("tests/experts/test_residency.py", "-k", "test_fixture_bitwise"),
+        ("tests/experts/test_residency.py",),
+    ),
+    Mutation(
+        "mtp_accepts_last_draft_anyway",
+        "greedy output with MTP equals output without it (exact-match acceptance)",
+        "sharpi_jax/runtime/speculative.py",
+        (("            if r < n_draft and tok == int(drafts[r]):\n",
+          "            if r < n_draft and (tok == int(drafts[r]) or r == n_draft - 1):  # MUTATION\n"),),
+        ("tests/runtime/test_speculative.py::test_greedy_mtp_equals_plain_every_prompt_and_k[qwen35moe-F32]",),
+        ("tests/runtime/test_speculative.py",),
+    ),
+    Mutation(
+        "eos_stops_one_late",
+        "generation stops right after the first end-of-generation token, with and without MTP",
+        "sharpi_jax/runtime/speculative.py",
+        (("            out.append(tok)\n            if tok in stop_ids:\n                return out, \"eos\"\n",
+          "            if out and out[-1] in stop_ids:  # MUTATION: one token late\n"
+          "                return out + [tok], \"eos\"\n            out.append(tok)\n"),),
+        ("tests/runtime/test_speculative.py::test_stats_and_stops",),
+        ("tests/test_api.py::test_eos_inside_accepted_drafts_stops_generate", "tests/runtime/test_tree.py"),
+    ),
+    Mutation(
+        "tokenizer_qwen35_drops_marks",
+        "tokenizer ids equal llama.cpp's (the qwen35 pre-split keeps combining marks in letter runs)",
+        "sharpi_jax/gguf/tokenizer.py",
+        ((r'r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|', r'r"|[^\r\n\p{L}\p{N}]?\p{L}+|'),),
+        ("tests/gguf/test_tokenizer.py::test_qwen35_vs_qwen2_marks",),
+        ("tests/gguf/test_tokenizer.py",),
+    ),
+    Mutation(
+        "expert_parallel_wrong_owner",
+        "expert parallelism: logits BITWISE those of one device (each pair summed from its owner)",
+        "sharpi_jax/experts/parallel.py",
+        (("first = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32) * e_local",
+          "first = (jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32) * e_local + 1) % experts.n_expert"),),
+        ("tests/experts/test_expert_parallel.py", "-k", "dispatch"),
+        ("tests/experts/test_expert_parallel.py",),
+    ),
+    Mutation(
+        "expert_parallel_second_collective",
+        "expert parallelism: ONE psum over the expert axis, 4*k*D bytes per token and MoE layer",
+        "sharpi_jax/experts/parallel.py",
+        (("return jax.lax.bitcast_convert_type(jax.lax.psum(bits, EXPERT_AXIS), jnp.float32)",
+          "return jax.lax.bitcast_convert_type(jax.lax.pmax(jax.lax.psum(bits, EXPERT_AXIS), EXPERT_AXIS), "
+          "jnp.float32)  # MUTATION: a second all-reduce"),),
+        ("tests/experts/test_expert_parallel.py", "-k", "compiled_collectives"),
+        ("tests/experts/test_expert_parallel.py",),
+    ),
+    Mutation(
+        "tree_row_view_shifted",
+        "tree verify: every node's logits, hidden and GDN snapshot == decode along its root path, bitwise",
+        "sharpi_jax/model/tree.py",
+        (("own = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel, 0, W - 1), (anc.shape[0], n_slots)), axis=1)",
+          "own = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel - 1, 0, W - 1), (anc.shape[0], n_slots)), "
+          "axis=1)  # MUTATION: each row's view misses its own key"),),
+        ("tests/runtime/test_tree.py::test_tree_nodes_bitwise_equal_decode_along_root_path[qwen35moe-F32]",),
+        ("tests/runtime/test_tree.py",),
+    ),
+    Mutation(
+        "int8_repack_truncates",
+        "int8 repacking stays within half a step per weight (max|row| / 254)",
+        "sharpi_jax/quant/qtensor.py",
+        (("q = jnp.clip(jnp.round(w * inv), -127, 127).astype(jnp.int8)",
+          "q = jnp.clip(jnp.trunc(w * inv), -127, 127).astype(jnp.int8)  # MUTATION: truncation"),),
+        ("tests/quant/test_matmul.py", "-k", "test_int8_repack_error_bound"),
+        ("tests/quant/test_matmul.py",),
+    ),
+    Mutation(
+        "pallas_reduce_drops_last_rank",
+        "pallas (interpret on CPU) matches the reference: the weighted top-k reduce kernel",
+        "pallas_kernels/weighted_reduce/kernel.py",
+        (("    for j in range(1, k):\n        acc = acc + w_refs[j][...] * y_refs[j][...]\n",
+          "    for j in range(1, k - 1):  # MUTATION: the last rank dropped\n"
+          "        acc = acc + w_refs[j][...] * y_refs[j][...]\n"),),
+        ("tests/pallas_kernels/test_weighted_reduce.py", "-k", "test_kernel_interpret_equals_reference_bitwise"),
+        ("tests/pallas_kernels/", "tests/experts/test_dispatch.py::test_pallas_mode_interpret"),
+    ),
+)
+
+
+def by_name(name: str) -> Mutation:
+    for m in MUTATIONS:
+        if m.name == name:
+            return m
+    raise KeyError(f"no mutation named {name!r}; known: {', '.join(m.name for m in MUTATIONS)}")
