@@ -1,5 +1,6 @@
-"""MTP speculative decoding throughput: MTP off vs sequential verify vs batched verify, k = 1..7, and
-tree speculation (batched, --tree_nodes per k) beside the chain.
+"""MTP speculative decoding throughput: MTP off vs sequential verify vs batched verify, k = 1..7, each
+batched one on the host loop and on the device loop (`sharpi_jax.runtime.device_loop`), and tree
+speculation (batched, --tree_nodes per k, host loop) beside the chain.
 
     python -m experiments.bench_verify [--model=PRESET_OR_GGUF] [--new_tokens=128] [--repeats=3]
                                        [--ks=1,2,3,4,5,6,7] [--tree_nodes=8,16] [--json_out=results/bench_verify.jsonl]
@@ -47,6 +48,10 @@ flags.DEFINE_list("tree_nodes", ["8"], "Tree speculation rows: draft nodes per p
                   "(batched verify; empty: no tree rows).")
 flags.DEFINE_list("pass_widths", [], "Rows w of the single-pass timing (chain and tree pass vs one decode step).")
 flags.DEFINE_bool("pass_only", False, "Only the single-pass timing (--pass_widths), no generation runs.")
+flags.DEFINE_list("draft_vocab", [], "Draft vocabulary sizes N: time one MTP draft step over the N best-ranked ids "
+                  "against the full head, and (unless --draft_step_only) run the chain k with draft_vocab=N on the "
+                  "device loop, acceptance beside the full head's.")
+flags.DEFINE_bool("draft_step_only", False, "Only the draft-step timing of --draft_vocab (for big files).")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
                     "(optional).")
@@ -117,16 +122,28 @@ def main(argv) -> int:
         timing = pass_timing(engine, ids, widths, FLAGS.repeats)
         print_pass_timing(timing, f"{path.name}, {len(ids)}-token context, {FLAGS.repeats} calls each")
         records += [{"model": path.stem, "pass_timing": True, **r} for r in timing]
-    if FLAGS.pass_only:
+    vocabs = [int(v) for v in FLAGS.draft_vocab]
+    if vocabs:
+        records += _draft_step_timing(engine, ids, vocabs, path)
+    if FLAGS.pass_only or FLAGS.draft_step_only:
         _write(records, 0)
         return 0
     n = FLAGS.new_tokens
     print(f"model {path.name} ({engine.config.arch}), prompt: {prompt_desc} ({len(ids)} tokens), "
           f"{n} new tokens, greedy; warm-up, then median [min-max] of {FLAGS.repeats} interleaved rounds", flush=True)
 
-    configs = [{}] + [dict(speculative="mtp", draft_tokens=k, verify=v) for k in ks for v in ("sequential", "batched")]
+    # MTP off and the batched chain on both loops (device: one jitted program per run; host: one call per
+    # step / pass, the sequential reference); sequential verify and trees run the host loop.
+    configs = [dict(loop="host"), dict(loop="device")]
+    for k in ks:
+        configs += [dict(speculative="mtp", draft_tokens=k, verify="sequential", loop="host"),
+                    dict(speculative="mtp", draft_tokens=k, verify="batched", loop="host"),
+                    dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device")]
     trees = [(k, m) for k in ks for m in nodes if m >= k]
     configs += [dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m, verify="batched") for k, m in trees]
+    dv_first = len(configs)
+    configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_vocab=v)
+                for k in ks for v in vocabs]
 
     def run(kw):
         return engine.generate(ids, max_new_tokens=n, stop_on_eos=False, **kw)
@@ -141,46 +158,56 @@ def main(argv) -> int:
                           what="configurations")
     tok_s = [[o.stats["decode_tok_s"] for o in outs] for outs in results]
     med = [spread(t)["median"] for t in tok_s]
-    base, off = results[0][0], med[0]
-    records += [put_spread({"model": path.stem, "speculative": None, "draft_tokens": 0, "verify": None,
-                           "generated_tokens": len(base.tokens), "repeats": FLAGS.repeats}, "decode_tok_s", tok_s[0])]
+    base, off, off_dev = results[0][0], med[0], med[1]
+    for i, loop in ((0, "host"), (1, "device")):
+        records.append(put_spread({"model": path.stem, "speculative": None, "draft_tokens": 0, "verify": None,
+                                   "loop": loop, "generated_tokens": len(results[i][0].tokens),
+                                   "same_tokens_as_off": all(o.tokens == base.tokens for o in results[i]),
+                                   "repeats": FLAGS.repeats}, "decode_tok_s", tok_s[i]))
     rows = []
     for j, k in enumerate(ks):
         res = {}
-        for m, verify in enumerate(("sequential", "batched")):
-            i = 1 + 2 * j + m
+        for m, mode in enumerate(("sequential", "batched", "device")):
+            i = 2 + 3 * j + m
             outs = results[i]
             s = outs[0].stats
             same = all(o.tokens == base.tokens for o in outs)
-            res[verify] = (med[i], s, same, tok_s[i])
-            rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": verify,
-                   "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+            res[mode] = (med[i], s, same, tok_s[i])
+            rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": configs[i]["verify"],
+                   "loop": configs[i]["loop"], "same_tokens_as_off": same, "repeats": FLAGS.repeats,
                    **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len",
                                               "drafted", "accepted", "verify_passes", "generated_tokens")}}
             put_spread(rec, "decode_tok_s", tok_s[i])
-            for key in ("draft_s", "verify_s"):
-                put_spread(rec, key, [o.stats[key] for o in outs], runs=False)
+            if mode != "device":  # one device program has no draft / verify split
+                for key in ("draft_s", "verify_s"):
+                    put_spread(rec, key, [o.stats[key] for o in outs], runs=False)
             records.append(rec)
         rows.append((k, res))
 
-    print(f"\nMTP off: {fmt_spread(tok_s[0])} decode tok/s (median [min-max] of {FLAGS.repeats} rounds)")
-    hdr = (f"{'k':>2} {'seq tok/s':>10} {'batch tok/s [min-max]':>23} {'batch/seq':>9} {'batch/off':>9} "
-           f"{'accept':>7} {'tok/pass':>8} {'draft_s':>8} {'verify_s':>8}  same tokens")
+    print(f"\nMTP off: host loop {fmt_spread(tok_s[0])}, device loop {fmt_spread(tok_s[1])} decode tok/s "
+          f"(median [min-max] of {FLAGS.repeats} rounds)")
+    hdr = (f"{'k':>2} {'seq tok/s':>10} {'host batch':>10} {'device tok/s [min-max]':>24} {'dev/host':>8} "
+           f"{'dev/off':>7} {'accept':>7} {'tok/pass':>8} {'draft_s':>8} {'verify_s':>8}  same tokens")
     print(hdr)
     print("-" * len(hdr))
     for k, res in rows:
-        (seq, _, seq_same, _), (bat, s, bat_same, bat_runs) = res["sequential"], res["batched"]
-        rec = next(r for r in records if r.get("draft_tokens") == k and r.get("verify") == "batched")
-        print(f"{k:>2} {seq:>10.1f} {fmt_spread(bat_runs, 23)} {bat / seq:>9.2f} {bat / off:>9.2f} "
+        (seq, _, seq_same, _), (bat, s, bat_same, _) = res["sequential"], res["batched"]
+        dev, _, dev_same, dev_runs = res["device"]
+        rec = next(r for r in records if r.get("draft_tokens") == k and r.get("verify") == "batched"
+                   and r.get("loop") == "host")
+        print(f"{k:>2} {seq:>10.1f} {bat:>10.1f} {fmt_spread(dev_runs, 24)} {dev / bat:>8.2f} {dev / off_dev:>7.2f} "
               f"{s['acceptance_rate']:>7.1%} {s['mean_accept_len']:>8.2f} {rec['draft_s']:>8.3f} "
-              f"{rec['verify_s']:>8.3f}  {'yes' if seq_same and bat_same else 'NO'}")
-    print("tok/s: median of the rounds; ratios of medians; accept: accepted / drafted; tok/pass: mean accepted "
-          "drafts + 1 per trunk pass; draft_s / verify_s: MTP vs trunk seconds of the batched run (median).")
+              f"{rec['verify_s']:>8.3f}  {'yes' if seq_same and bat_same and dev_same else 'NO'}")
+    print("tok/s: median of the rounds; ratios of medians; dev/off: device-loop MTP over device-loop MTP off; "
+          "accept: accepted / drafted; tok/pass: mean accepted drafts + 1 per trunk pass; draft_s / verify_s: MTP "
+          "vs trunk seconds of the host-loop batched run (median).")
     if trees:
         _tree_rows(path, trees, ks, results, tok_s, med, records)
+    if vocabs:
+        _draft_vocab_rows(path, ks, vocabs, configs, dv_first, results, tok_s, med, records)
     lc_off, lc_mtp = _llama_cpp(path, ids, prompt_text, ks, n)
     if lc_off is not None or lc_mtp:
-        _print_llama_cpp(off, rows, lc_off, lc_mtp)
+        _print_llama_cpp(off_dev, rows, lc_off, lc_mtp)
         lc = {"off": lc_off, "mtp": {str(k): v for k, v in lc_mtp.items()}}
         records.append({"model": path.stem, "llama_cpp": lc})
     else:
@@ -202,13 +229,13 @@ def _write(records: list[dict], n: int) -> None:
 def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
     """Tree rows beside the chain's batched row of the same k (records appended)."""
     off, base = med[0], results[0][0]
-    first = 1 + 2 * len(ks)
+    first = 2 + 3 * len(ks)
     print(f"\n{'k':>2} {'nodes':>5} {'tree tok/s [min-max]':>23} {'tree/chain':>10} {'tree/off':>8} "
           f"{'tok/pass':>8} {'chain tok/pass':>14} {'draft_s':>8} {'verify_s':>8}  same tokens")
     for j, (k, m) in enumerate(trees):
         i = first + j
         outs, s = results[i], results[i][0].stats
-        chain_i = 1 + 2 * ks.index(k) + 1
+        chain_i = 2 + 3 * ks.index(k) + 1  # the host-loop batched chain (the tree runs the host loop)
         chain = results[chain_i][0].stats
         same = all(o.tokens == base.tokens for o in outs)
         rec = {"model": path.stem, "speculative": "mtp_tree", "draft_tokens": k, "tree_nodes": m, "verify": "batched",
@@ -226,8 +253,68 @@ def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
           "batched verify at the same k; tok/pass: accepted + 1 per trunk pass.")
 
 
+def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]:
+    """One MTP draft step (the catch-up row of the certain token and one draft: the MTP block and the
+    draft LM head) at the prompt's end, full head vs each draft vocabulary, interleaved calls."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from sharpi_jax.runtime.speculative import MTPDecoder
+
+    dec = MTPDecoder(engine.runtime, engine.mtp, 1)
+    dec.prefill(ids)
+    mtp, cache = engine.mtp, dec.cache
+    toks = np.zeros(3, np.int32)
+    toks[0] = ids[-1]
+    hidden = jax.numpy.zeros((2, engine.config.d_model), jax.numpy.float32)
+    heads = [None] + [mtp.draft_vocab(v) for v in vocabs]  # gathered once, before any timing
+    times: list[list[float]] = [[] for _ in heads]
+    for r in range(FLAGS.repeats + 1):
+        for i, vocab in enumerate(heads):
+            t0 = time.perf_counter()
+            out, cache, _ = mtp.draft(cache, toks, dec._h_prev, hidden, len(ids) - 1, 1, 1, vocab)
+            out.block_until_ready()
+            if r:  # round 0 compiles
+                times[i].append(1e3 * (time.perf_counter() - t0))
+    full = spread(times[0])["median"]
+    print(f"\none MTP draft step ({path.name}, median [min-max] ms of {FLAGS.repeats} interleaved calls): "
+          f"full head ({engine.config.n_vocab} ids) {fmt_spread(times[0], digits=3)}")
+    recs = [put_spread({"model": path.stem, "draft_step": True, "draft_vocab": None}, "draft_step_ms", times[0])]
+    for v, t in zip(vocabs, times[1:]):
+        ratio = spread(t)["median"] / full
+        print(f"  draft_vocab={v}: {fmt_spread(t, digits=3)} ms, {ratio:.2f}x the full head's step")
+        recs.append(put_spread({"model": path.stem, "draft_step": True, "draft_vocab": v, "vs_full": ratio},
+                               "draft_step_ms", t))
+    return recs
+
+
+def _draft_vocab_rows(path: Path, ks, vocabs, configs, first, results, tok_s, med, records) -> None:
+    """Chain k with each draft vocabulary on the device loop, beside the full head's device-loop row."""
+    base = results[0][0]
+    print(f"\n{'k':>2} {'draft_vocab':>11} {'tok/s [min-max]':>24} {'vs full':>7} {'accept':>7} {'full accept':>11} "
+          f"{'tok/pass':>8}  same tokens")
+    for j in range(first, len(configs)):
+        k, v = configs[j]["draft_tokens"], configs[j]["draft_vocab"]
+        full_i = 2 + 3 * ks.index(k) + 2  # the full head's device-loop chain row
+        s, fs = results[j][0].stats, results[full_i][0].stats
+        same = all(o.tokens == base.tokens for o in results[j])
+        rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": "batched", "loop": "device",
+               "draft_vocab": v, "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+               "full_acceptance_rate": fs["acceptance_rate"],
+               **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted",
+                                          "accepted", "verify_passes", "generated_tokens")}}
+        put_spread(rec, "decode_tok_s", tok_s[j])
+        records.append(rec)
+        print(f"{k:>2} {v:>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>7.2f} {s['acceptance_rate']:>7.1%} "
+              f"{fs['acceptance_rate']:>11.1%} {s['mean_accept_len']:>8.2f}  {'yes' if same else 'NO'}")
+    print("draft_vocab rows: device loop; vs full: tok/s over the full head's device-loop chain at the same k; "
+          "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
+
+
 def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> None:
-    """Side-by-side table: our batched verify vs llama.cpp's draft-mtp, speedups over each one's MTP off."""
+    """Side-by-side table: our device-loop batched verify vs llama.cpp's draft-mtp, speedups over each one's MTP off."""
     lc_base = lc_off.get("decode_tok_s") if lc_off and "error" not in lc_off else None
     src = (lc_off or {}).get("source") or (lc_off or {}).get("error", "n/a")
     print(f"\nllama.cpp MTP off: {f'{lc_base:.1f} decode tok/s' if lc_base else 'n/a'} ({src}); "
@@ -240,7 +327,7 @@ def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> Non
     print(hdr)
     print("-" * len(hdr))
     for k, res in rows:
-        bat, s, _, _ = res["batched"]
+        bat, s, _, _ = res["device"]
         lc = lc_mtp.get(k)
         if lc is None or "error" in lc:
             print(f"{k:>2} {bat:>10.1f} {bat / off:>12.2f}   ({(lc or {}).get('error', 'n/a')[:70]})")

@@ -11,12 +11,15 @@ otherwise the text, then a stats line on stderr.
 --compare (with --speculative=mtp) answers "does MTP pay on this model?" in the same run: MTP off and
 MTP are each warmed up (compilation excluded), then --repeats interleaved rounds (off, MTP, off, MTP,
 ...; experiments.timing) time both on the same prompt and length; it prints both decode tokens/s
-(median [min-max]), the ratio MTP / off, and whether the tokens are identical (they must be). The
+(median [min-max]), the ratio MTP / off, and whether the tokens are identical (they must be). With the
+chain, the tree of the same depth (--tree_nodes, default 8) is timed in the same rounds and printed
+beside it (--nocompare_tree: not). --loop picks the device loop (default) or the host loop. The
 text and stats shown are those of the first timed MTP run. With --json the object gets "compare".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -40,6 +43,8 @@ flags.DEFINE_enum("speculative", None, ["mtp", "mtp_tree"], "Speculative decodin
 flags.DEFINE_integer("draft_tokens", 3, "MTP draft length k (tokens drafted per trunk pass).")
 flags.DEFINE_enum("verify", "batched", ["batched", "sequential"],
                   "MTP verify: one trunk pass over the k+1 rows, or one single-token step per row.")
+flags.DEFINE_enum("loop", "device", ["device", "host"], "device: the decode loop runs as one jitted program on "
+                  "the device; host: one jitted call per step / pass from Python (the sequential reference).")
 flags.DEFINE_integer("tree_nodes", None, "mtp_tree: draft nodes per trunk pass (default max(8, draft_tokens)).")
 flags.DEFINE_integer("max_snapshot_bytes", None, "mtp_tree: cap on the GDN snapshot bytes a pass keeps (one "
                      "snapshot per node; lowers tree_nodes).")
@@ -68,6 +73,8 @@ flags.DEFINE_bool("json", False, "Print one JSON object {tokens, text, stats}.")
 flags.DEFINE_bool("warmup", False, "Run a short generation first so the stats exclude jit compilation.")
 flags.DEFINE_bool("compare", False, "With --speculative=mtp: also time MTP off, both warm, interleaved --repeats "
                   "rounds in this run; print both decode tok/s and the ratio.")
+flags.DEFINE_bool("compare_tree", True, "With --compare and --speculative=mtp: also time the tree of depth "
+                  "--draft_tokens (--tree_nodes, default 8 nodes) in the same rounds.")
 flags.DEFINE_integer("repeats", 5, "Timed rounds of each mode for --compare (median and min/max reported).",
                      lower_bound=1)
 
@@ -83,6 +90,7 @@ def main(argv) -> int:
     compare = None
     parallel_info = _start_devices()
     try:
+        opts = _options()  # validated before the model loads
         budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
                                                               expert_policy=FLAGS.expert_policy)
         if FLAGS.expert_parallel is not None:
@@ -92,19 +100,12 @@ def main(argv) -> int:
         engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget, **kv)
         if engine.mesh is not None:
             parallel_info["devices"] = [str(d) for d in engine.mesh.devices.flat]
-        sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
-                        seed=FLAGS.seed, stop_on_eos=FLAGS.stop_on_eos)
-        spec = dict(speculative=FLAGS.speculative, draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify)
-        if FLAGS.speculative == "mtp_tree":
-            spec.update(tree_nodes=FLAGS.tree_nodes, max_snapshot_bytes=FLAGS.max_snapshot_bytes)
-        elif FLAGS.tree_nodes is not None or FLAGS.max_snapshot_bytes is not None:
-            raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree")
         if FLAGS.compare:
-            out, compare = _compare(engine, sampling, spec)
+            out, compare = _compare(engine, opts)
         else:
             if FLAGS.warmup:
-                engine.generate(_prompt(engine), max_new_tokens=2, temperature=FLAGS.temperature, **spec)
-            out = engine.generate(_prompt(engine), max_new_tokens=FLAGS.max_new_tokens, **sampling, **spec)
+                engine.generate_with(_prompt(engine), dataclasses.replace(opts, max_new_tokens=2), engine.kv_policy)
+            out = engine.generate_with(_prompt(engine), opts, engine.kv_policy)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -147,6 +148,24 @@ def main(argv) -> int:
     return 0
 
 
+def _options():
+    """The flags' `GenerateOptions` (one validated object, as `Engine.generate` builds)."""
+    import sharpi_jax as sj
+    from sharpi_jax.runtime.options import GenerateOptions
+    from sharpi_jax.runtime.sampling import SamplingParams
+
+    tree = FLAGS.speculative == "mtp_tree"
+    if not tree and ((FLAGS.tree_nodes is not None and not FLAGS.compare) or FLAGS.max_snapshot_bytes is not None):
+        raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree (or --compare: "
+                            "--tree_nodes of the tree timed beside the chain)")
+    return GenerateOptions(
+        max_new_tokens=FLAGS.max_new_tokens, stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
+        draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify, loop=FLAGS.loop,
+        tree_nodes=FLAGS.tree_nodes if tree else None, max_snapshot_bytes=FLAGS.max_snapshot_bytes if tree else None,
+        sampling=SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                                min_p=FLAGS.min_p, seed=FLAGS.seed))
+
+
 def _prompt(engine):
     """--prompt, or with --chat its token ids through the chat template (--system, --enable_thinking)."""
     if not FLAGS.chat:
@@ -177,25 +196,39 @@ def _start_devices() -> dict:
     return info
 
 
-def _compare(engine, sampling: dict, spec: dict):
-    """(the first timed MTP output, the comparison dict): MTP off and MTP warm, interleaved rounds."""
+def _compare(engine, opts):
+    """(the first timed MTP output, the comparison dict): MTP off and MTP warm, interleaved rounds; with
+    the chain (--speculative=mtp) and --compare_tree, the tree of depth draft_tokens (--tree_nodes, else
+    8 nodes) as a third mode."""
     from experiments.timing import interleaved, put_spread
 
-    modes = [dict(speculative=None), spec]
+    modes = [dataclasses.replace(opts, speculative=None), opts]
+    tree = opts.speculative == "mtp" and FLAGS.compare_tree
+    if tree:
+        modes.append(dataclasses.replace(opts, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes))
     quiet = FLAGS.json
 
-    def run(kw):
-        return engine.generate(_prompt(engine), max_new_tokens=FLAGS.max_new_tokens, **sampling, **kw)
+    def run(o):
+        return engine.generate_with(_prompt(engine), o, engine.kv_policy)
 
-    results = interleaved(modes, run, FLAGS.repeats, what="modes (MTP off, MTP)",
+    names = "MTP off, MTP" + (", MTP tree" if tree else "")
+    results = interleaved(modes, run, FLAGS.repeats, what=f"modes ({names})",
                           log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
-    off, mtp = results
-    cmp = {"repeats": FLAGS.repeats, "draft_tokens": spec["draft_tokens"], "verify": spec["verify"],
-           "generated_tokens": len(mtp[0].tokens),
+    off, mtp = results[:2]
+    cmp = {"repeats": FLAGS.repeats, "draft_tokens": opts.draft_tokens, "verify": opts.verify,
+           "loop": mtp[0].stats["loop"], "off_loop": off[0].stats["loop"], "generated_tokens": len(mtp[0].tokens),
            "same_tokens": all(o.tokens == off[0].tokens for o in off + mtp)}
     put_spread(cmp, "off_decode_tok_s", [o.stats["decode_tok_s"] for o in off])
     put_spread(cmp, "mtp_decode_tok_s", [o.stats["decode_tok_s"] for o in mtp])
     cmp["speedup"] = cmp["mtp_decode_tok_s"] / cmp["off_decode_tok_s"]
+    if tree:
+        t = results[2]
+        cmp["tree"] = {"tree_nodes": t[0].stats["tree_nodes"], "loop": t[0].stats["loop"],
+                       "mean_accept_len": t[0].stats["mean_accept_len"],
+                       "same_tokens": all(o.tokens == off[0].tokens for o in t)}
+        put_spread(cmp["tree"], "decode_tok_s", [o.stats["decode_tok_s"] for o in t])
+        cmp["tree"]["vs_chain"] = cmp["tree"]["decode_tok_s"] / cmp["mtp_decode_tok_s"]
+        cmp["tree"]["vs_off"] = cmp["tree"]["decode_tok_s"] / cmp["off_decode_tok_s"]
     return mtp[0], cmp
 
 
@@ -207,10 +240,19 @@ def _compare_line(c: dict) -> str:
                + ("" if faster else " (speculation pays only where a trunk pass costs much more than a draft step)"))
     if not (c["mtp_decode_tok_s_min"] > c["off_decode_tok_s_max"] or c["mtp_decode_tok_s_max"] < c["off_decode_tok_s_min"]):
         verdict += ", though the two ranges overlap: within this run's noise"
-    return (f"[compare (warm, median [min-max] of {c['repeats']} interleaved rounds, {c['generated_tokens']} tokens): "
-            f"MTP off {fmt_spread(c['off_decode_tok_s_runs'])} decode tok/s; MTP k={c['draft_tokens']} "
+    loops = c["loop"] if c["loop"] == c["off_loop"] else f"MTP off: {c['off_loop']}, MTP: {c['loop']}"
+    line = (f"[compare (warm, median [min-max] of {c['repeats']} interleaved rounds, {c['generated_tokens']} tokens, "
+            f"{loops} loop): MTP off {fmt_spread(c['off_decode_tok_s_runs'])} decode tok/s; MTP k={c['draft_tokens']} "
             f"({c['verify']} verify) {fmt_spread(c['mtp_decode_tok_s_runs'])} decode tok/s; "
             f"MTP / off = {c['speedup']:.2f}x: {verdict}; same tokens: {'yes' if c['same_tokens'] else 'NO'}]")
+    t = c.get("tree")
+    if t:
+        best = "the tree" if t["vs_chain"] > 1.0 else "the chain"
+        line += (f"\n[compare tree (depth {c['draft_tokens']}, {t['tree_nodes']} nodes, {t['loop']} loop): "
+                 f"{fmt_spread(t['decode_tok_s_runs'])} decode tok/s, {t['mean_accept_len']:.2f} tokens per trunk "
+                 f"pass; tree / chain = {t['vs_chain']:.2f}x, tree / off = {t['vs_off']:.2f}x: {best} is faster "
+                 f"here; same tokens: {'yes' if t['same_tokens'] else 'NO'}]")
+    return line
 
 
 if __name__ == "__main__":

@@ -29,15 +29,15 @@ from sharpi_jax.model.footprint import backend_summary, fallback_message, matrix
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
+from sharpi_jax.runtime import draft_vocab
+from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
+from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.tree import generate_tree
 
-SPECULATIVE_MODES = (None, "mtp", "mtp_tree")
-DEFAULT_TREE_NODES = 8
-VERIFY_MODES = ("batched", "sequential")
 
 
 def _check_dtype(dtype: Any) -> None:
@@ -223,6 +223,7 @@ class Engine:
             if self.mesh is not None:
                 head = expert_parallelism.replicate_dense(head, self.mesh)
             self._mtp = MTPRuntime(head, self.max_context)
+            self._mtp.path = self.path
         return self._mtp
 
     def mtp_logits(self, ids: Sequence[int], zero_h_first: bool = False) -> np.ndarray:
@@ -251,14 +252,22 @@ class Engine:
         """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
         return expert_residency.calibrate(self, prompts, save)
 
+    def calibrate_draft_vocab(self, prompts: Sequence[Any], save: bool | str = True) -> dict[int, int]:
+        """Token counts over prompts (their ids and the model's greedy predictions), saved beside the file
+        (or in $SHARPI_CACHE) as the ranking of generate(draft_vocab=N) (`runtime.draft_vocab`)."""
+        counts = draft_vocab.calibrate(self, prompts, save)
+        if self._mtp is not None:
+            self._mtp.forget_draft_vocabs()
+        return counts
+
     def generate(self, ids_or_text: Any = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
                  tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
                  kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None, *, messages: Sequence[Mapping[str, Any]] | None = None,
-                 enable_thinking: bool | None = None, chat_template_kwargs: Mapping[str, Any] | None = None
-                 ) -> GenerateOutput:
+                 kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None, *,
+                 messages: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
 
         messages=[{"role": ..., "content": ...}, ...] instead of a prompt: the chat rendered by the file's
@@ -289,37 +298,53 @@ class Engine:
         "default": the engine's setting (`sj.load(kv_policy=...)`); None: no eviction; sizes left None
         take the engine's, else kv_window 32 and kv_pool 7. out.stats adds kv_slots (KV slots in use at
         the end), kv_evicted (prompt positions dropped per attention layer and KV head), kv_capacity.
+
+        loop="device": after the prefill, the whole decode loop (MTP off, or the MTP chain with batched
+        verify: draft, verify, accept, rollback, stop) runs as one jitted program on the device
+        (`sharpi_jax.runtime.device_loop`); "host": one jitted call per step or pass driven from Python,
+        the sequential reference (same tokens bit for bit). verify="sequential" and speculative="mtp_tree"
+        run the host loop either way. out.stats["loop"] names the loop that ran; the device loop reports
+        no draft_s / verify_s split.
+
+        draft_vocab=N (speculative="mtp"): the MTP head drafts over the N best-ranked token ids only (the
+        ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
+        uses the full head, so the tokens are unchanged. out.stats["draft_vocab"] = N.
         """
-        if speculative not in SPECULATIVE_MODES:
-            raise InputError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
-        if verify not in VERIFY_MODES:
-            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) or draft_tokens < 1:
-            raise InputError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-        if speculative != "mtp_tree" and (tree_nodes is not None or max_snapshot_bytes is not None):
-            raise InputError("tree_nodes and max_snapshot_bytes apply to speculative='mtp_tree' only")
-        for name, v in (("tree_nodes", tree_nodes), ("max_snapshot_bytes", max_snapshot_bytes)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise InputError(f"{name} must be a positive integer, got {v!r}")
+        opts = GenerateOptions(
+            max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, speculative=speculative,
+            draft_tokens=draft_tokens, verify=verify, tree_nodes=tree_nodes, max_snapshot_bytes=max_snapshot_bytes,
+            loop=loop, draft_vocab=draft_vocab,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
-        if speculative == "mtp_tree" and kv is not None:
+        return self.generate_with(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs),
+                                  opts, kv)
+
+    def generate_with(self, ids_or_text: Any, opts: GenerateOptions, kv: SnapKV | None = None) -> GenerateOutput:
+        """`generate` with its options as one validated `GenerateOptions` (the CLI builds one) and the KV
+        eviction policy resolved (None: none)."""
+        if not isinstance(opts, GenerateOptions):
+            raise InputError(f"options must be a GenerateOptions, got {type(opts).__name__}")
+        if opts.speculative == "mtp_tree" and kv is not None:
             raise InputError("speculative='mtp_tree' over a SnapKV-evicted cache is not supported yet: use "
                              "speculative='mtp' with kv_policy='snapkv', or mtp_tree without eviction")
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-        ids = self._prompt_ids(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs))
+        vocab = self.mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
+        sampling, n, k = opts.sampling, int(opts.max_new_tokens), int(opts.draft_tokens)
+        ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
-        stop_ids = self.tokenizer.eog_ids if stop_on_eos else ()
-        if speculative == "mtp":
-            tokens, stats = generate_mtp(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                         int(draft_tokens), verify, kv=kv)
-        elif speculative == "mtp_tree":
-            nodes = max(DEFAULT_TREE_NODES, int(draft_tokens)) if tree_nodes is None else int(tree_nodes)
-            tokens, stats = generate_tree(self.runtime, self.mtp, ids, int(max_new_tokens), sampling, stop_ids,
-                                          int(draft_tokens), nodes, verify, max_snapshot_bytes=max_snapshot_bytes)
+        stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
+        rt = self.runtime
+        if opts.speculative == "mtp" and opts.device_loop:
+            tokens, stats = generate_mtp_device(rt, self.mtp, ids, n, sampling, stop_ids, k, kv=kv, vocab=vocab)
+        elif opts.speculative == "mtp":
+            tokens, stats = generate_mtp(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.verify, kv=kv, vocab=vocab)
+        elif opts.speculative == "mtp_tree":
+            tokens, stats = generate_tree(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes, opts.verify,
+                                          max_snapshot_bytes=opts.max_snapshot_bytes)
+        elif opts.device_loop:
+            tokens, stats = generate_ids_device(rt, ids, n, sampling, stop_ids, kv)
         else:
-            tokens, stats = generate_ids(self.runtime, ids, int(max_new_tokens), sampling, stop_ids, kv)
+            tokens, stats = generate_ids(rt, ids, n, sampling, stop_ids, kv)
+        stats.setdefault("loop", "host")
         if self.residency is not None:
             stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))
         stats["backends"] = backend_summary(self.matrix_backends)  # matrices per backend actually used

@@ -73,24 +73,35 @@ def filter_logits(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Ar
     return x
 
 
-@jax.jit
-def _sample(logits, seed, index, temperature, top_k, top_p, min_p):
+def draw(logits, seed, index, temperature, top_k, top_p, min_p):
+    """The sampled token (int32) of generated index `index` from logits [V]: traceable, the one rule
+    both the host loop (`sample`) and the device loop (`device_loop`) run."""
     key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), index)
     x = filter_logits(logits.astype(jnp.float32), temperature, top_k, top_p, min_p)
     return jax.random.categorical(key, x).astype(jnp.int32)
 
 
-@jax.jit
-def _greedy(logits):
+def argmax(logits):
+    """The greedy token(s): argmax over the last axis (lowest index on ties), int32; traceable."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+_sample = jax.jit(draw)
+_greedy = jax.jit(argmax)
+
+
+def traced_params(params: SamplingParams) -> tuple:
+    """(seed, temperature, top_k, top_p, min_p) as the typed scalars `draw` takes."""
+    return (np.uint32(params.seed), np.float32(params.temperature), np.int32(params.top_k),
+            np.float32(params.top_p), np.float32(params.min_p))
 
 
 def sample(logits: jax.Array, params: SamplingParams, index: int) -> jax.Array:
     """The token (int32 scalar array) for generated index `index` from logits [V]."""
     if params.greedy:
         return _greedy(logits)
-    return _sample(logits, np.uint32(params.seed), np.int32(index), np.float32(params.temperature),
-                   np.int32(params.top_k), np.float32(params.top_p), np.float32(params.min_p))
+    seed, temperature, top_k, top_p, min_p = traced_params(params)
+    return _sample(logits, seed, np.int32(index), temperature, top_k, top_p, min_p)
 
 
 def sample_rows(logits: jax.Array, params: SamplingParams, first_index: int) -> jax.Array:

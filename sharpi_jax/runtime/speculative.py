@@ -47,7 +47,8 @@ from flax import nnx
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.model.snapkv import SnapKV
-from sharpi_jax.runtime import kv_eviction
+from sharpi_jax.runtime import draft_vocab, kv_eviction
+from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, sample
 from sharpi_jax.runtime.state import MTPCache, gdn_caches, init_mtp_cache, with_gdn
@@ -66,14 +67,16 @@ def _mtp_fns(graphdef, treedef):
     def rows(params, cache, tokens, hs, start, n_valid, with_q=False):
         return merge(params)(tokens, hs, start, n_valid, cache, with_q=with_q)
 
-    def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft):
+    def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft, vocab=None):
         mtp = merge(params)
         W = tokens.shape[0]
         hs = jnp.concatenate([h_prev[None], hidden])[:W]
         hp, cache = mtp(tokens, hs, start, n_valid, cache)
         last = n_valid - 1  # the row of the certain token t
 
-        def greedy(h):  # a 2-row bucket: the row-stable kernel
+        def greedy(h):  # a 2-row bucket: the row-stable kernel; vocab: a `draft_vocab.DraftVocab`
+            if vocab is not None:
+                return vocab.greedy(jnp.stack([h, h]))
             return jnp.argmax(mtp.logits(jnp.stack([h, h]))[0]).astype(jnp.int32)
 
         h = jax.lax.dynamic_index_in_dim(hp, last, keepdims=False)
@@ -133,6 +136,27 @@ class MTPRuntime:
         self.params = tuple(leaves)
         self.graph = (graphdef, treedef)  # for other jitted MTP steps (the tree drafter's)
         self._rows, self._draft, self._logits = _mtp_fns(graphdef, treedef)
+        self._head_parts = head.lm_head.parts()
+        self._vocabs: dict[tuple, DraftVocab] = {}
+        self.path: str | None = None  # the model file (a saved draft-vocabulary ranking is found beside it)
+
+    def draft_vocab(self, n: int | None) -> DraftVocab | None:
+        """The draft LM head over the n best-ranked token ids (`draft_vocab.load_ranking`), gathered once
+        per n and kept; None: the full head."""
+        if n is None:
+            return None
+        V = self.config.n_vocab
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= V:
+            raise InputError(f"draft_vocab must be an integer in [1, {V}] (the vocabulary), got {n!r}")
+        rank, source = draft_vocab.load_ranking(self.path, V) if self.path else (np.arange(V), draft_vocab.FALLBACK)
+        key = (int(n), source)
+        if key not in self._vocabs:
+            self._vocabs = {key: draft_vocab.build(self._head_parts, rank, int(n))}  # one kept at a time
+        return self._vocabs[key]
+
+    def forget_draft_vocabs(self) -> None:
+        """Drop the gathered draft heads (after a new calibration)."""
+        self._vocabs = {}
 
     def new_cache(self) -> MTPCache:
         return init_mtp_cache(self.config, self.max_context)
@@ -169,12 +193,13 @@ class MTPRuntime:
             off += m
         return cache, h_prev, out
 
-    def draft(self, cache: MTPCache, tokens, h_prev, hidden, start: int, n_valid: int, n_draft: int):
+    def draft(self, cache: MTPCache, tokens, h_prev, hidden, start: int, n_valid: int, n_draft: int,
+              vocab: DraftVocab | None = None):
         """Catch-up rows 0..n_valid-2 + the chain from row n_valid-1 (the certain token t), n_draft >= 1
-        greedy drafts into K = len(tokens) - 2 slots. Returns ([t, d1..dK] int32 device array (slots
-        past n_draft are 0), cache, the h paired with t)."""
+        greedy drafts into K = len(tokens) - 2 slots (over `vocab`'s ids only when given). Returns
+        ([t, d1..dK] int32 device array (slots past n_draft are 0), cache, the h paired with t)."""
         return self._draft(self.params, cache, np.asarray(tokens, np.int32), h_prev, hidden, np.int32(start),
-                           np.int32(n_valid), np.int32(n_draft))
+                           np.int32(n_valid), np.int32(n_draft), vocab)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """MTP LM head on post-norm rows [B >= 2, D]."""
@@ -205,9 +230,11 @@ class MTPDecoder:
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, verify: str = "batched",
                  width: int | None = None, full_rows: bool = False, trace: list | None = None,
                  zero_h_first: bool = False, kv: SnapKV | None = None, kv_capacity: int | None = None,
-                 mtp_kv: str = "snapkv"):
+                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None):
         """kv, kv_capacity: SnapKV eviction at prefill into caches of kv_capacity slots (`kv_eviction`);
-        mtp_kv: "snapkv" evicts the MTP head's own KV by the same rule, "keep" keeps it whole."""
+        mtp_kv: "snapkv" evicts the MTP head's own KV by the same rule, "keep" keeps it whole; vocab:
+        draft over these token ids only (`draft_vocab`; verification uses the full head)."""
+        self.vocab = vocab
         if verify not in VERIFY_MODES:
             raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if mtp_kv not in kv_eviction.MTP_KV_MODES:
@@ -255,7 +282,8 @@ class MTPDecoder:
         n_valid = len(self._pend) + 1
         toks[:n_valid] = self._pend + [t]
         vtokens, self.cache, h_t = self.mtp.draft(self.cache, toks, self._h_prev, self._hidden,
-                                                  self._pend_start - self._mtp_off, n_valid, max(n_draft, 1))
+                                                  self._pend_start - self._mtp_off, n_valid, max(n_draft, 1),
+                                                  self.vocab)
         vtokens.block_until_ready()
         t1 = time.perf_counter()
         if self.verify == "batched":
@@ -352,19 +380,26 @@ class MTPDecoder:
 
 def _pass_stats(k: int, passes: list[tuple[int, int]]) -> dict[str, Any]:
     """Acceptance stats from (n_draft, accepted) per verify pass."""
-    drafted = sum(n for n, _ in passes)
-    accepted = sum(a for _, a in passes)
-    per_pos = []
-    for i in range(1, k + 1):
-        tried = [a for n, a in passes if n >= i]
-        per_pos.append(sum(a >= i for a in tried) / len(tried) if tried else 0.0)
+    counts = dict(passes=len(passes), drafted=sum(n for n, _ in passes), accepted=sum(a for _, a in passes),
+                  tried=[sum(n >= i for n, _ in passes) for i in range(1, k + 1)],
+                  hit=[sum(n >= i and a >= i for n, a in passes) for i in range(1, k + 1)])
+    return pass_stats_from_counts(k, counts)
+
+
+def pass_stats_from_counts(k: int, counts: dict | None) -> dict[str, Any]:
+    """Acceptance stats from pass counts: passes, drafted, accepted (sums over passes), tried[i-1] /
+    hit[i-1] (passes that drafted position i / accepted it), i = 1..k. None: no pass."""
+    if counts is None:
+        counts = dict(passes=0, drafted=0, accepted=0, tried=[0] * k, hit=[0] * k)
+    passes, drafted, accepted = int(counts["passes"]), int(counts["drafted"]), int(counts["accepted"])
     return {
         "drafted": drafted,
         "accepted": accepted,
-        "verify_passes": len(passes),
+        "verify_passes": passes,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accept_len": (accepted + len(passes)) / len(passes) if passes else 0.0,
-        "accept_per_position": per_pos,
+        "mean_accept_len": (accepted + passes) / passes if passes else 0.0,
+        "accept_per_position": [int(h) / int(t) if int(t) else 0.0
+                                for t, h in zip(counts["tried"][:k], counts["hit"][:k])],
     }
 
 
@@ -394,7 +429,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                  verify: str = "batched", width: int | None = None, full_rows: bool = False,
                  trace: list | None = None, zero_h_first: bool = False, kv: SnapKV | None = None,
-                 mtp_kv: str = "snapkv") -> tuple[list[int], dict[str, Any]]:
+                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None) -> tuple[list[int], dict[str, Any]]:
     """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments
     (kv: the same SnapKV eviction; mtp_kv: evict the MTP head's KV too, or keep it whole).
 
@@ -408,7 +443,8 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
     """
     t0 = time.perf_counter()
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
-    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first, kv, capacity, mtp_kv)
+    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first, kv, capacity, mtp_kv,
+                     vocab)
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     passes: list[tuple[int, int]] = []
@@ -427,6 +463,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
         "speculative": "mtp",
         "draft_tokens": dec.k,
         "verify": verify,
+        "draft_vocab": None if vocab is None else vocab.size,
         **_pass_stats(dec.k, passes),
         "draft_s": dec.draft_s,
         "verify_s": dec.verify_s,

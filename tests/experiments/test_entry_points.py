@@ -246,13 +246,16 @@ def test_bench_verify(runs, request):
     for r in passes:
         for key in ("decode_ms", "chain_ms", "tree_ms"):
             _check_spread(r, key, rounds=2)
-    assert [(r["draft_tokens"], r["verify"]) for r in recs] == [(0, None), (1, "sequential"), (1, "batched"),
-                                                                (1, "batched")]
+    assert [(r["draft_tokens"], r["verify"], r.get("loop")) for r in recs] == [
+        (0, None, "host"), (0, None, "device"), (1, "sequential", "host"), (1, "batched", "host"),
+        (1, "batched", "device"), (1, "batched", None)]
     for r in recs:
         _check_spread(r, "decode_tok_s", rounds=2)
         assert r.get("same_tokens_as_off", True) is True
-    assert all(0 <= r["acceptance_rate"] <= 1 and len(r["accept_per_position"]) == 1 for r in recs[1:3])
-    tree = recs[3]
+    assert all(0 <= r["acceptance_rate"] <= 1 and len(r["accept_per_position"]) == 1 for r in recs[2:5])
+    assert recs[2]["accepted"] == recs[3]["accepted"] == recs[4]["accepted"]  # same passes on both loops
+    assert "dev/host" in res.stdout
+    tree = recs[5]
     assert tree["speculative"] == "mtp_tree" and tree["tree_nodes"] == 2 and len(tree["accept_per_depth"]) == 1
     assert "tree/chain" in res.stdout
 

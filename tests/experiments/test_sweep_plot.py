@@ -15,7 +15,7 @@ def test_two_point_sweep_and_plots(tmp_path):
     cfg = {
         "name": "two_points", "models": ["default"], "prompts": ["def fibonacci(n):\n", "import os\n"],
         "max_new_tokens": 12, "repeats": 2, "load": {"max_context": 256},
-        "grid": {"speculative": [None, "mtp"], "draft_tokens": [2], "verify": ["batched"]},
+        "grid": {"speculative": [None, "mtp"], "draft_tokens": [2], "verify": ["batched"], "loop": ["host"]},
     }
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(cfg))

@@ -1,0 +1,220 @@
+"""Generation as ONE jitted program per run: the decode loop (MTP off) and the MTP chain loop (draft,
+verify, accept, rollback, emit, stop) each run as a `lax.while_loop` on the device after the prefill.
+
+The host loops (`generate.generate_ids`, `speculative.generate_mtp`) are the sequential reference;
+these run the same jitted step functions (nested in the loop body), the same sampling rule
+(`sampling.draw` with the key of each generated-token index) and the same stop order (an EOS set,
+max_new_tokens, then the context end), so they give the same tokens bit for bit
+(`tests/runtime/test_device_loop.py`). The host receives the tokens once, at the end.
+
+Shapes are static per compile: the output buffer holds `out_slots(max_new_tokens, K)` tokens
+(rounded up to a power of two, so nearby lengths share a compile), the verify width is K + 1 rows
+(K = draft_tokens), and the number of drafts of a pass, the committed length P, the MTP catch-up rows
+and the rollback index are device scalars. A pass drafts min(k, room) tokens, room being what is left
+of max_context and, on a SnapKV-compacted cache, of its slots (as `MTPDecoder.max_drafts`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Collection, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharpi_jax.model.snapkv import SnapKV
+from sharpi_jax.runtime import kv_eviction
+from sharpi_jax.runtime.draft_vocab import DraftVocab
+from sharpi_jax.runtime.generate import timing_stats
+from sharpi_jax.runtime.sampling import SamplingParams, argmax, draw, traced_params
+from sharpi_jax.runtime.speculative import MTPDecoder, MTPRuntime, pass_stats_from_counts
+from sharpi_jax.runtime.state import repeat_as_snapshots
+from sharpi_jax.runtime.steps import Runtime
+
+STOP_REASONS = (None, "eos", "max_new_tokens", "max_context")  # index = the loop's stop code
+
+
+def out_slots(max_new_tokens: int, width: int = 0) -> int:
+    """Output buffer length: max_new_tokens + width + 1 (a pass may emit width + 1 tokens), rounded up
+    to a power of two (>= 64, so short runs share one compile)."""
+    need = int(max_new_tokens) + int(width) + 1
+    return max(64, 1 << (need - 1).bit_length())
+
+
+def _eos_array(stop_ids: Collection[int]) -> np.ndarray:
+    ids = sorted(int(i) for i in stop_ids)
+    return np.array(ids or [-1], np.int32)  # -1: no token id matches
+
+
+def _picker(greedy: bool, sampling):
+    """token(logits [V], generated index) with the host loop's rule."""
+    if greedy:
+        return lambda logits, i: argmax(logits)
+    seed, temperature, top_k, top_p, min_p = sampling
+    return lambda logits, i: draw(logits, seed, i, temperature, top_k, top_p, min_p)
+
+
+def _stop_code(tok, eos, n_out, max_new):
+    """After emitting tok as the n_out-th token: 1 (EOS), 2 (max_new_tokens) or 0."""
+    return jnp.where(jnp.any(tok == eos), 1, jnp.where(n_out == max_new, 2, 0)).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_fn(decode):
+    """The jitted decode loop over one model graph's `decode` step."""
+
+    def run(params, cache, state, logits, pos, max_new, max_context, eos, sampling, out, greedy):
+        pick = _picker(greedy, sampling)
+        tok = pick(logits, jnp.int32(0))
+        stop = _stop_code(tok, eos, 1, max_new)
+        stop = jnp.where((stop == 0) & (pos >= max_context), 3, stop)
+        carry = (cache, state, pos, jnp.int32(0), tok, out.at[0].set(tok), stop)
+
+        def body(c):
+            cache, state, pos, i, tok, out, _ = c
+            logits, _, state, cache = decode(params, cache, state, tok, pos)
+            pos, i = pos + 1, i + 1
+            tok = pick(logits, i)
+            stop = _stop_code(tok, eos, i + 1, max_new)
+            stop = jnp.where((stop == 0) & (pos >= max_context), 3, stop)
+            return cache, state, pos, i, tok, out.at[i].set(tok), stop
+
+        cache, state, pos, i, _, out, stop = jax.lax.while_loop(lambda c: c[-1] == 0, body, carry)
+        return out, i + 1, stop, pos, cache
+
+    return jax.jit(run, donate_argnums=(1,), static_argnames=("greedy",))
+
+
+def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                        stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> tuple[list[int], dict[str, Any]]:
+    """`generate.generate_ids` (same arguments, tokens and stats, plus loop="device") with the decode
+    loop on the device."""
+    t0 = time.perf_counter()
+    capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
+    _, logits, state, evicted = kv_eviction.prefill(runtime, prompt, kv, capacity)
+    logits.block_until_ready()
+    t1 = time.perf_counter()
+    pos = len(prompt)
+    if max_new_tokens <= 0:
+        tokens, stop = [], "max_new_tokens"
+    else:
+        fn = _plain_fn(runtime._fns.decode)
+        out, n, code, end, runtime.cache = fn(
+            runtime.params, runtime.cache, state, logits, np.int32(pos), np.int32(max_new_tokens),
+            np.int32(runtime.max_context), _eos_array(stop_ids), traced_params(sampling),
+            np.zeros(out_slots(max_new_tokens), np.int32), greedy=sampling.greedy)
+        out, n, code, pos = jax.device_get((out, n, code, end))
+        tokens, stop = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)]
+    t2 = time.perf_counter()
+    stats = timing_stats(len(prompt), len(tokens), t0, t1, t2, stop)
+    return tokens, {**stats, **kv_eviction.kv_stats(evicted, int(pos), runtime.max_context), "loop": "device"}
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_fn(commit_verify, draft):
+    """The jitted MTP chain loop over one model graph's `commit_verify` and one head's `draft`."""
+
+    def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, mtp_off, k, max_new, max_context,
+            slot_room, eos, sampling, out, vocab, K, greedy):
+        pick = _picker(greedy, sampling)
+        D = h_last.shape[0]
+        tok = pick(logits, jnp.int32(0))
+        stop = _stop_code(tok, eos, 1, max_new)
+        stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
+        zi = jnp.int32(0)
+        counts = jnp.zeros((K + 1,), jnp.int32)  # per draft position i = 1..K (index 0 unused)
+        carry = dict(
+            cache=cache, state=state, mtp_cache=mtp_cache,
+            snaps=repeat_as_snapshots(state, K + 1), a_prev=zi,  # rollback of the previous pass (none yet)
+            vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
+            hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
+            stop=stop, passes=zi, drafted=zi, accepted=zi, tried=counts, hit=counts)
+        rows = jnp.arange(K + 1, dtype=jnp.int32)
+
+        def body(c):
+            P = c["P"]
+            n_draft = jnp.minimum(k, jnp.minimum(max_context - 1 - P, slot_room - P))
+            # MTP catch-up rows (the previous pass's certain token and accepted drafts), then t.
+            toks = jnp.concatenate([jnp.where(rows < c["n_pend"], c["vt"], 0), jnp.zeros((1,), jnp.int32)])
+            toks = toks.at[c["n_pend"]].set(c["t"])
+            vtokens, mtp_cache, h_t = draft(mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"],
+                                            c["pend_start"] - mtp_off, c["n_pend"] + 1, jnp.maximum(n_draft, 1), vocab)
+            logits, greedy_rows, hidden, state, snaps, cache = commit_verify(
+                params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
+            if greedy:
+                target = greedy_rows
+            else:
+                index = c["n_out"] - 1  # generated index of t
+                target = jnp.stack([pick(logits[r], index + r + 1) for r in range(K + 1)])
+            match = (rows[:K] < n_draft) & (target[:K] == vtokens[1:])
+            a = jnp.sum(jnp.cumprod(match.astype(jnp.int32)))
+            # Emit target[0..a] (the accepted drafts are the targets of their rows) up to a stop.
+            n_out = c["n_out"]
+            emitted = rows <= a
+            is_eos = jnp.any(target[:, None] == eos[None, :], axis=1) & emitted
+            is_max = (n_out + rows + 1 == max_new) & emitted
+            hit_stop = is_eos | is_max
+            j = jnp.argmax(hit_stop)  # the first stopping token (when any)
+            any_stop = jnp.any(hit_stop)
+            P_new = P + a + 1
+            stop = jnp.where(any_stop, jnp.where(is_eos[j], 1, 2), jnp.where(P_new >= max_context, 3, 0))
+            pos_i = rows[1:]  # draft positions 1..K
+            return dict(
+                cache=cache, state=state, mtp_cache=mtp_cache, snaps=snaps, a_prev=a,
+                vt=vtokens, n_pend=a + 1, pend_start=P, h_prev=h_t, hidden=hidden, t=target[a], P=P_new,
+                n_out=n_out + jnp.where(any_stop, j + 1, a + 1),
+                out=jax.lax.dynamic_update_slice(c["out"], target, (n_out,)), stop=stop.astype(jnp.int32),
+                passes=c["passes"] + 1, drafted=c["drafted"] + n_draft, accepted=c["accepted"] + a,
+                tried=c["tried"].at[1:].add((n_draft >= pos_i).astype(jnp.int32)),
+                hit=c["hit"].at[1:].add((a >= pos_i).astype(jnp.int32)))
+
+        c = jax.lax.while_loop(lambda c: c["stop"] == 0, body, carry)
+        counts = dict(passes=c["passes"], drafted=c["drafted"], accepted=c["accepted"], tried=c["tried"][1:],
+                      hit=c["hit"][1:])
+        return c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"]
+
+    return jax.jit(run, donate_argnums=(1,), static_argnames=("K", "greedy"))
+
+
+def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
+                        sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
+                        kv: SnapKV | None = None, mtp_kv: str = "snapkv", zero_h_first: bool = False,
+                        vocab: DraftVocab | None = None) -> tuple[list[int], dict[str, Any]]:
+    """`speculative.generate_mtp` with batched verify (same arguments, tokens and stats except draft_s /
+    verify_s, which one device program cannot split; plus loop="device") with every pass on the device."""
+    t0 = time.perf_counter()
+    capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
+    dec = MTPDecoder(runtime, mtp, draft_tokens, "batched", zero_h_first=zero_h_first, kv=kv, kv_capacity=capacity,
+                     mtp_kv=mtp_kv, vocab=vocab)
+    logits = dec.prefill(prompt)
+    t1 = time.perf_counter()
+    K, P = dec.K, dec.P
+    if max_new_tokens <= 0:
+        tokens, stop, counts = [], "max_new_tokens", None
+    else:
+        # slot_room - P = the drafts a compacted cache's slots still hold (capacity - 1 - slot(P)).
+        ev = dec.evicted
+        slot_room = runtime.max_context if ev is None else ev.capacity - 1 + ev.shift
+        fn = _chain_fn(runtime._fns.commit_verify, mtp._draft)
+        out, n, code, end, counts, runtime.cache = fn(
+            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec._h_prev, np.int32(P),
+            np.int32(dec._mtp_off), np.int32(dec.k), np.int32(max_new_tokens),
+            np.int32(runtime.max_context), np.int32(slot_room), _eos_array(stop_ids), traced_params(sampling),
+            np.zeros(out_slots(max_new_tokens, K), np.int32), vocab, K=K, greedy=sampling.greedy)
+        out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
+        tokens, stop, P = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)], int(P)
+    t2 = time.perf_counter()
+    stats = {
+        **timing_stats(len(prompt), len(tokens), t0, t1, t2, stop),
+        "speculative": "mtp",
+        "draft_tokens": dec.k,
+        "verify": "batched",
+        "draft_vocab": None if vocab is None else vocab.size,
+        **pass_stats_from_counts(dec.k, counts),
+        **kv_eviction.kv_stats(dec.evicted, P, runtime.max_context),
+        "loop": "device",
+    }
+    return tokens, stats
+

@@ -1,0 +1,141 @@
+"""Draft vocabulary (FR-Spec-like): the MTP head drafts over the N highest-ranked token ids only.
+
+The draft step's LM head product is restricted to N gathered rows of the head (gathered ONCE per N into
+their own QTensor rows, `DraftVocab`), its argmax mapped back to a token id. Verification always uses
+the full head, so the output is unchanged; only the acceptance can drop.
+
+Ranking: token ids by calibrated frequency (`calibrate`: the prompts' ids and the target's greedy
+predictions over them, teacher-forced), saved beside the model as `<model>.gguf.draft-vocab.json` (or in
+$SHARPI_CACHE, default ~/.cache/sharpi-jax, when its directory is read-only) and found there
+automatically; ids never seen follow in id order. Fallback when nothing is saved: token id order, which
+for a byte-level BPE vocabulary is the merge order (earlier merges are the more frequent pairs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharpi_jax.errors import InputError
+from sharpi_jax.quant import QTensor, matmul
+
+SUFFIX = ".draft-vocab.json"
+FORMAT = "sharpi-draft-vocab/1"
+FALLBACK = "token id order (BPE merge order)"
+
+
+def vocab_paths(model_path: str | os.PathLike[str]) -> list[Path]:
+    """Where a saved ranking is looked for: beside the model, then in the cache dir."""
+    p = Path(model_path)
+    cache = Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax")) / "draft-vocab"
+    size = p.stat().st_size if p.exists() else 0
+    return [Path(str(p) + SUFFIX), cache / f"{p.name}-{size}{SUFFIX}"]
+
+
+def ranking(counts: Mapping[int, int] | None, n_vocab: int) -> np.ndarray:
+    """All token ids, best first: by count (descending, ties by id), then the unseen ones in id order."""
+    score = np.zeros(n_vocab, np.int64)
+    for i, c in (counts or {}).items():
+        score[int(i)] = int(c)
+    return np.lexsort((np.arange(n_vocab), -score)).astype(np.int32)
+
+
+def load_ranking(model_path: str | os.PathLike[str], n_vocab: int) -> tuple[np.ndarray, str]:
+    """(ranking, source): the saved calibration's, else the fallback (token id order)."""
+    for p in vocab_paths(model_path):
+        if p.exists():
+            try:
+                data = json.loads(p.read_text())
+                counts = {int(i): int(c) for i, c in data["counts"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise InputError(f"draft vocabulary file {p}: {e}") from None
+            if any(not 0 <= i < n_vocab for i in counts):
+                raise InputError(f"draft vocabulary file {p}: token ids outside [0, {n_vocab})")
+            return ranking(counts, n_vocab), str(p)
+    return np.arange(n_vocab, dtype=np.int32), FALLBACK
+
+
+def save(counts: Mapping[int, int], model_path: str | os.PathLike[str], tokens: int,
+         path: str | os.PathLike[str] | None = None) -> Path:
+    """Write the counts beside the model (or the cache dir when that is not writable)."""
+    data = {"format": FORMAT, "model": Path(model_path).name, "tokens": int(tokens),
+            "counts": {str(i): int(c) for i, c in sorted(counts.items())}}
+    targets = [Path(path)] if path is not None else vocab_paths(model_path)
+    err = None
+    for t in targets:
+        try:
+            t.parent.mkdir(parents=True, exist_ok=True)
+            tmp = t.with_name(t.name + ".partial")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(t)
+            return t
+        except OSError as e:
+            err = e
+    raise InputError(f"cannot save the draft vocabulary ({targets}): {err}")
+
+
+def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[str] = True) -> dict[int, int]:
+    """Token counts over prompts (text or ids): each prompt's ids plus the target's greedy prediction at
+    every position (teacher-forced). save_to=True saves beside the model; a path saves there."""
+    counts: dict[int, int] = {}
+    tokens = 0
+    for p in prompts:
+        ids = engine.check_ids(engine.tokenizer.encode(p) if isinstance(p, str) else list(p))
+        pred = np.argmax(engine.logits(ids), axis=-1)
+        for t in [*ids, *pred.tolist()]:
+            counts[int(t)] = counts.get(int(t), 0) + 1
+        tokens += len(ids)
+    if not tokens:
+        raise InputError("calibrate_draft_vocab needs at least one prompt")
+    if save_to:
+        save(counts, engine.path, tokens, None if save_to is True else save_to)
+    return counts
+
+
+def take_rows(w: QTensor, ids: np.ndarray) -> QTensor:
+    """Rows `ids` of a 2-D QTensor, in its own layout (a copy: gathered once, not per step)."""
+    ids = jnp.asarray(ids, jnp.int32)
+    if w.layout == "float_t":
+        return QTensor({"w": w.data["w"][:, ids]}, w.qtype, (int(ids.shape[0]), w.cols), w.layout)
+    return w.take(ids)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts", "ids"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DraftVocab:
+    """The draft LM head over N token ids: `parts` (QTensor row blocks, rows = ids in ascending order)
+    and `ids` [N] int32 (ascending), so an argmax over the subset maps back by ids[argmax]."""
+
+    parts: tuple
+    ids: jax.Array
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+    def greedy(self, h2: jax.Array) -> jax.Array:
+        """The draft token of row 0 of a 2-row bucket h2 [2, D]: argmax over the subset's logits
+        (the lowest id on ties, as the full head's argmax)."""
+        ys = [matmul(h2, p) for p in self.parts]
+        logits = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
+        return self.ids[jnp.argmax(logits[0])].astype(jnp.int32)
+
+
+def build(head_parts: Sequence[QTensor], rank: np.ndarray, n: int) -> DraftVocab:
+    """The top-n ids of `rank` gathered from the head's row blocks (`Linear.parts()`), ascending ids."""
+    ids = np.sort(np.asarray(rank[:n], np.int32))
+    parts, off = [], 0
+    for p in head_parts:
+        sel = ids[(ids >= off) & (ids < off + p.rows)] - off
+        if sel.size:
+            parts.append(take_rows(p, sel))
+        off += p.rows
+    return DraftVocab(tuple(parts), jnp.asarray(ids))

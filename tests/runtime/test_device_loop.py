@@ -1,0 +1,131 @@
+"""The device loop (`sharpi_jax.runtime.device_loop`): one jitted while_loop per generation gives the
+host loop's tokens and stats, bit for bit, for MTP off and the MTP chain, greedy and seeded; stops
+(EOS inside an accepted run, max_new_tokens, the context end) land where the host loop's do; SnapKV.
+
+Fast tier: the embedded default model and one fixture file; slow: every fixture file."""
+
+from __future__ import annotations
+
+import pytest
+
+import sharpi_jax as sj
+from sharpi_jax.errors import InputError
+from sharpi_jax.model.snapkv import policy
+from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, out_slots
+from sharpi_jax.runtime.generate import generate_ids
+from sharpi_jax.runtime.sampling import SamplingParams
+from sharpi_jax.runtime.speculative import generate_mtp
+from tests.conftest import fixture_engine, load_references
+
+GREEDY = SamplingParams()
+SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
+SHARED = ("generated_tokens", "stop_reason", "kv_slots", "kv_evicted", "kv_capacity")
+PASSES = ("drafted", "accepted", "verify_passes", "accept_per_position", "mean_accept_len", "acceptance_rate")
+VARIANTS = [("tiny-qwen35moe", v) for v in ("F32", "BF16", "Q8_0", "Q4_K_M")] + \
+           [("tiny-qwen35", v) for v in ("F32", "Q8_0", "Q4_K_M")] + \
+           [("tiny-qwen3next", v) for v in ("F32", "Q8_0")]
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    return sj.load(max_context=256)
+
+
+def check(e, prompt, n, sampling, k=3, stop_ids=(), kv=None, modes=("plain", "chain")):
+    """Device loop == host loop (tokens and stats) for the given modes, and chain == plain. Returns the
+    host runs {mode: (tokens, stats)}."""
+    ref = generate_ids(e.runtime, prompt, n, sampling, stop_ids, kv)
+    runs = {"plain": ref}
+    if "plain" in modes:
+        dev = generate_ids_device(e.runtime, prompt, n, sampling, stop_ids, kv)
+        assert dev[0] == ref[0]
+        for key in SHARED:
+            assert dev[1][key] == ref[1][key], key
+        assert dev[1]["loop"] == "device"
+    if "chain" in modes:
+        host = generate_mtp(e.runtime, e.mtp, prompt, n, sampling, stop_ids, k, kv=kv)
+        dev = generate_mtp_device(e.runtime, e.mtp, prompt, n, sampling, stop_ids, k, kv=kv)
+        assert host[0] == ref[0] and dev[0] == ref[0]
+        for key in SHARED + PASSES:
+            assert dev[1][key] == host[1][key], key
+        runs["chain"] = host
+    return runs
+
+
+def test_greedy_and_seeded_equal_host_loop(default_engine):
+    e = default_engine
+    prompt = e.tokenizer.encode("def fibonacci(n):\n")
+    greedy = check(e, prompt, 40, GREEDY)
+    seeded = check(e, prompt, 40, SEEDED, modes=("chain",))
+    assert seeded["plain"][0] != greedy["plain"][0]  # the sampler is really sampling
+    for runs in (greedy, seeded):
+        s = runs["chain"][1]
+        assert s["accepted"] > 0 and s["accepted"] < s["drafted"]  # accepting and rejecting passes (rollback)
+
+
+def test_stops(default_engine):
+    """EOS = a token emitted as an accepted draft (mid-pass), max_new_tokens 0 / 1 / inside a pass, and
+    the context end (the last passes draft fewer than k tokens)."""
+    e = default_engine
+    prompt = e.tokenizer.encode("import os\nimport sys\n\n\nclass ")
+    runs = check(e, prompt, 40, GREEDY, modes=("chain",))
+    out, s = runs["chain"]
+    trace = []
+    assert generate_mtp(e.runtime, e.mtp, prompt, 40, GREEDY, (), 3, trace=trace)[0] == out
+    emitted, pos = [], 1
+    for t in trace:
+        emitted += list(range(pos, pos + t["accepted"]))
+        pos += t["accepted"] + 1
+    first_new = [i for i in emitted if out[i] not in out[:i]]
+    assert first_new
+    stop = out[first_new[0]]
+    host = check(e, prompt, 40, GREEDY, stop_ids={stop})
+    assert host["chain"][1]["stop_reason"] == "eos" and len(host["chain"][0]) == first_new[0] + 1
+    for n in (0, 1, 2, 5):
+        check(e, prompt, n, GREEDY)
+    long = e.tokenizer.encode("def f(x):\n    return x\n" * 40)[: e.max_context - 20]
+    ctx = check(e, long, 60, GREEDY)
+    assert ctx["chain"][1]["stop_reason"] == "max_context"
+    assert len(ctx["chain"][0]) == e.max_context - len(long) + 1
+
+
+def test_snapkv(default_engine):
+    e = default_engine
+    prompt = e.tokenizer.encode("def f(x):\n    return x + 1\n" * 12)
+    kv = policy("snapkv", 48, 16, 7)
+    runs = check(e, prompt, 24, GREEDY, kv=kv)
+    assert runs["chain"][1]["kv_evicted"] > 0
+
+
+def test_engine_generate_loop_option(default_engine):
+    e = default_engine
+    for spec in (None, "mtp"):
+        host = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative=spec, loop="host")
+        dev = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative=spec)
+        assert dev.tokens == host.tokens and dev.text == host.text
+        assert (host.stats["loop"], dev.stats["loop"]) == ("host", "device")
+    seq = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative="mtp", verify="sequential")
+    assert seq.stats["loop"] == "host" and seq.tokens == dev.tokens  # sequential verify is the host reference
+    with pytest.raises(InputError, match="loop must be one of"):
+        e.generate("x", loop="gpu")
+
+
+def test_out_slots():
+    assert out_slots(1) == 64 and out_slots(48, 3) == 64 and out_slots(61, 3) == 128
+    assert all(out_slots(n, k) >= n + k + 1 for n in range(300) for k in range(8))
+
+
+@pytest.mark.parametrize("name,variant", [("tiny-qwen35moe", "Q8_0")], ids=["qwen35moe-Q8_0"])
+def test_fixture_greedy(name, variant):
+    e = fixture_engine(name, variant, 512, (32,))
+    prompt = load_references(name)["variants"][f"{name}-{variant}"]["tokens"][0]
+    check(e, prompt, 24, GREEDY)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,variant", VARIANTS, ids=[f"{n[5:]}-{v}" for n, v in VARIANTS])
+def test_every_fixture_file(name, variant):
+    e = fixture_engine(name, variant, 512, (32,))
+    for prompt in load_references(name)["variants"][f"{name}-{variant}"]["tokens"]:
+        for sampling in (GREEDY, SEEDED):
+            check(e, prompt, 32, sampling)
