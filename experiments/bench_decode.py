@@ -288,7 +288,7 @@ def main(argv) -> int:
           f"{FLAGS.synthetic_prompt_tokens} / {FLAGS.synthetic_decode_tokens}; ours: median [min-max] of "
           f"{FLAGS.repeats} warm interleaved rounds, ratios of medians; {os.cpu_count()} CPU cores)")
     for (path, n_prompt, n_decode), ref in llama.items():
-        if ref.get("interleaved"):
+        if ref and ref.get("interleaved"):
             print(f"llama.cpp on {Path(path).name}: llama-bench -r 1 ({FLAGS.threads} threads) in each of the "
                   f"rounds, median [min-max] prefill {fmt_spread(ref['prefill_tok_s_runs'])}, decode "
                   f"{fmt_spread(ref['decode_tok_s_runs'], digits=2)} tok/s; process CPU s per llama-bench run "
