@@ -2,19 +2,25 @@
 
     python -m experiments.bench_decode [--prompt_tokens=128] [--decode_tokens=64] [--llama_bin=PATH]
     python -m experiments.bench_decode --models=default,tiny-qwen35-Q8_0 --repeats=5
-    python -m experiments.bench_decode --models=/path/35b-slice-Q4_K_M.gguf --repacks=auto,none \
-        --decode_tokens=16 --llama_bin=../shared/llama.cpp/bin
+    python -m experiments.bench_decode --models=/path/35b-slice-Q4_K_M.gguf --kernels=ggml,xla \
+        --decode_tokens=16 --llama_bin=../shared/llama.cpp/bin --synthetic=false
 
 Our figures: every model is loaded and warmed up (jit compilation excluded), then --repeats rounds
 each run every model once (interleaved, experiments.timing); each figure is the median round with its
 min and max (records: prefill_tok_s, decode_tok_s, with _min, _max, _runs). llama.cpp's figures are printed
-beside ours when llama-cpp-python is importable (same GGUF, same prompt, 2 threads) or when
---llama_bin names a llama.cpp bin directory with `llama-bench`, with the ratios ours / llama.cpp.
-Each model runs once per --repacks entry (the matrix layout, `sj.load(repack=...)`) with --kernels.
-Beside tok/s every row prints the weights it holds (GiB) and the bytes one decoded token reads with its
+beside ours when --llama_bin names a llama.cpp bin directory with `llama-bench` (same GGUF, same prompt
+length, 2 threads; run once in each round, `-r 1`, interleaved with ours, so both see the same machine
+load), or else when llama-cpp-python is importable (after our rounds), with the ratios ours / llama.cpp.
+Each model runs once per --kernels entry (the matmul backend, `sj.load(kernels=...)`; default ggml and
+xla, side by side in the same interleaved rounds) and per --repacks entry (`sj.load(repack=...)`).
+Beside tok/s every row prints the weights it holds (GiB), the bytes one decoded token reads with its
 layouts against the floor (the file's own bytes of the non-expert tensors + top-k experts per layer +
-one embedding row), and the process's resident anonymous memory after the run (RssAnon: for the memory
-figure of one configuration, bench one model and one repack). Timings only; nothing here is a test.
+one embedding row), the process CPU seconds of one timed generate call (summed over threads: the
+steadier figure on a shared machine), and the process's resident anonymous memory (RssAnon) right
+after that configuration was loaded and decoded its warm-up tokens (--decode_tokens of them): the
+first configuration's figure is the whole process's, each later one's grows by what it added (the
+"+GiB" column). The machine's copy bandwidth (experiments.bandwidth) heads the table. Timings only;
+nothing here is a test.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory (or a binary in 
                     "(optional; else llama-cpp-python when installed).")
 flags.DEFINE_integer("threads", 2, "llama.cpp threads.")
 flags.DEFINE_string("jsonl", None, "Also append one JSON line per model here.")
-flags.DEFINE_string("kernels", "auto", "Matmul backend: auto | xla | pallas | reference (sj.load kernels=).")
+flags.DEFINE_list("kernels", ["ggml", "xla"], "Matmul backends to compare, each a sj.load kernels=: "
+                  "auto | ggml | xla | pallas | reference.")
 flags.DEFINE_list("repacks", ["auto"], "Matrix layouts to compare, each a sj.load repack=: auto | none | int8.")
 
 
@@ -79,16 +86,16 @@ def _prompt(engine, n: int, fixture_dir: Path | None) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str | None = "auto"
-              ) -> tuple[object, list[int], dict]:
+def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str | None = "auto",
+              kernels: str = "auto", n_decode: int = 3) -> tuple[object, list[int], dict]:
     """(engine, prompt ids, {load_s, warmup_s, held_gib, backends (matrices per backend),
-    read_mib_per_token, floor_mib_per_token}):
-    loaded and warmed up (prefill buckets and decode compiled)."""
+    read_mib_per_token, floor_mib_per_token, rss_anon_gib}): loaded and warmed up (prefill buckets and
+    decode compiled by one generate call of `n_decode` tokens, after which RssAnon is read)."""
     import sharpi_jax as sj
     from sharpi_jax.model.footprint import backend_summary, decode_floor_bytes, decode_read_bytes, held_bytes
 
     t = time.perf_counter()
-    engine = sj.load(path, max_context=FLAGS.max_context, kernels=FLAGS.kernels, repack=repack)
+    engine = sj.load(path, max_context=FLAGS.max_context, kernels=kernels, repack=repack)
     load_s = time.perf_counter() - t
     footprint = {"held_gib": sum(held_bytes(engine.model).values()) / 2**30,
                  "backends": backend_summary(engine.matrix_backends),
@@ -96,36 +103,68 @@ def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str |
                  "floor_mib_per_token": decode_floor_bytes(engine.gguf, engine.config) / 2**20}
     ids = _prompt(engine, n_prompt, fixture_dir)
     t = time.perf_counter()
-    engine.generate(ids, max_new_tokens=3, stop_on_eos=False)  # compiles the prefill buckets and decode
-    return engine, ids, {"load_s": load_s, "warmup_s": time.perf_counter() - t, **footprint}
+    engine.generate(ids, max_new_tokens=max(3, n_decode), stop_on_eos=False)  # compiles prefill and decode
+    return engine, ids, {"load_s": load_s, "warmup_s": time.perf_counter() - t, "kernels": engine.matrix_format.backend,
+                         "rss_anon_gib": rss_anon_gib(), **footprint}
 
 
-def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None]], repeats: int) -> list[dict]:
+def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, str]], repeats: int
+               ) -> tuple[list[dict], dict[tuple, dict]]:
     """Every model loaded and warmed up, then `repeats` interleaved rounds (each model once per round):
-    one record per model with prefill / decode tok/s as median, _min, _max, _runs (experiments.timing)."""
+    one record per model with prefill / decode tok/s and the process CPU seconds of a call as median,
+    _min, _max, _runs (experiments.timing), and RssAnon after its load + warm-up with its growth over
+    the previous configuration's (rss_anon_added_gib). With llama-bench (--llama_bin), each round also
+    runs it once per distinct (file, prompt, decode) (`-r 1`), so that both engines see the same load:
+    {(path, prompt tokens, decode tokens): llama.cpp record with the same spread keys}."""
     loaded = []
-    for name, path, fixture_dir, n_prompt, n_decode, repack in models:
-        engine, ids, info = load_ours(path, n_prompt, fixture_dir, repack)
-        print(f"  {name}: loaded in {info['load_s']:.1f}s, warm-up {info['warmup_s']:.1f}s", file=sys.stderr,
-              flush=True)
+    rss_before = rss_anon_gib()
+    for name, path, fixture_dir, n_prompt, n_decode, repack, kernels in models:
+        engine, ids, info = load_ours(path, n_prompt, fixture_dir, repack, kernels, n_decode)
+        if info["rss_anon_gib"] is not None and rss_before is not None:
+            info["rss_anon_added_gib"] = info["rss_anon_gib"] - rss_before
+        rss_before = info["rss_anon_gib"]
+        print(f"  {name} [{info['kernels']}]: loaded in {info['load_s']:.1f}s, warm-up {info['warmup_s']:.1f}s",
+              file=sys.stderr, flush=True)
         loaded.append((engine, ids, n_decode, info))
 
-    def run(cell):
-        engine, ids, n_decode, _ = cell
-        return engine.generate(ids, max_new_tokens=n_decode, stop_on_eos=False)
+    side = []
+    if llama_cpp_side.find_tool(FLAGS.llama_bin, llama_cpp_side.BENCH_TOOL) is not None:
+        side = list(dict.fromkeys((str(m[1]), len(c[1]), c[2]) for m, c in zip(models, loaded)))
 
-    results = interleaved(loaded, run, repeats, warmup=False, what="models",
+    def run(cell):
+        if isinstance(cell[0], str):  # llama-bench, one repetition
+            path, n_prompt, n_decode = cell
+            return llama_cpp_side.prefill_decode(Path(path), [0] * n_prompt, n_decode, threads=FLAGS.threads,
+                                                 llama_bin=FLAGS.llama_bin, repetitions=1)
+        engine, ids, n_decode, _ = cell
+        c0 = time.process_time()
+        out = engine.generate(ids, max_new_tokens=n_decode, stop_on_eos=False)
+        return out, time.process_time() - c0
+
+    results = interleaved(loaded + side, run, repeats, warmup=False, what="models",
                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    llama = {}
+    for key, recs in zip(side, results[len(loaded):]):
+        bad = [r for r in recs if not r or "error" in r]
+        if bad:
+            llama[key] = bad[0]
+            continue
+        llama[key] = {"source": "llama-bench", "interleaved": True}
+        for k in ("prefill_tok_s", "decode_tok_s", "cpu_s"):
+            put_spread(llama[key], k, [r[k] for r in recs])
+    results = results[:len(loaded)]
     rss = rss_anon_gib()  # every engine still loaded
     rows = []
-    for (engine, ids, _, info), outs in zip(loaded, results):
+    for (engine, ids, _, info), timed in zip(loaded, results):
+        outs = [o for o, _ in timed]
         row = {**info, "rss_anon_gib_all_loaded": rss, "prompt_tokens": len(ids), "decode_tokens": len(outs[0].tokens),
                "repeats": repeats,
                "ids": ids}
         put_spread(row, "prefill_tok_s", [o.stats["prefill_tok_s"] for o in outs])
         put_spread(row, "decode_tok_s", [o.stats["decode_tok_s"] for o in outs])
+        put_spread(row, "cpu_s_per_call", [c for _, c in timed])
         rows.append(row)
-    return rows
+    return rows, llama
 
 
 def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:
@@ -134,7 +173,7 @@ def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:
                                          llama_bin=FLAGS.llama_bin)
 
 
-def _models() -> list[tuple[str, Path, Path | None, int, int]]:
+def _models() -> list[tuple[str, Path, Path | None, int, int, str | None, str]]:
     from experiments.presets import resolve_model
 
     models = []
@@ -144,7 +183,7 @@ def _models() -> list[tuple[str, Path, Path | None, int, int]]:
             fixture_dir = path.parent if (path.parent / "references.json").exists() else None
             models.append((Path(m).stem if m.endswith(".gguf") else m, path, fixture_dir, FLAGS.prompt_tokens,
                            FLAGS.decode_tokens))
-        return _with_repacks(models)
+        return _with_layouts(models)
     fixtures = Path(FLAGS.fixtures)
     for d in sorted(p for p in fixtures.glob("tiny-*") if p.is_dir()):
         for g in sorted(d.glob("*.gguf")):
@@ -166,16 +205,18 @@ def _models() -> list[tuple[str, Path, Path | None, int, int]]:
                        FLAGS.synthetic_decode_tokens))
     if FLAGS.only:
         models = [m for m in models if re.search(FLAGS.only, m[1].name)]
-    return _with_repacks(models)
+    return _with_layouts(models)
 
 
-def _with_repacks(models):
-    """Every model once per --repacks entry (named `model[repack]` when there are several)."""
+def _with_layouts(models):
+    """Every model once per --repacks entry (named `model[repack]` when there are several) and per
+    --kernels entry (the kernels column), kernels innermost so that backends sit side by side."""
     repacks = [None if r == "none" else r for r in FLAGS.repacks]
     out = []
     for name, *rest in models:
         for r in repacks:
-            out.append((name if len(repacks) == 1 else f"{name}[{r or 'none'}]", *rest, r))
+            for k in FLAGS.kernels:
+                out.append((name if len(repacks) == 1 else f"{name}[{r or 'none'}]", *rest, r, k))
     return out
 
 
@@ -184,8 +225,8 @@ def main(argv) -> int:
     line_buffered()
     logging.set_verbosity(logging.WARNING)
     rows = []
-    header = (f"{'model':34s} {'prefill tok/s [min-max]':>26s} {'decode tok/s [min-max]':>24s} "
-              f"{'held GiB':>8s} {'MiB/token (floor)':>18s}   "
+    header = (f"{'model':34s} {'kernels':>7s} {'prefill tok/s [min-max]':>26s} {'decode tok/s [min-max]':>24s} "
+              f"{'cpu s/call':>10s} {'held GiB':>8s} {'MiB/token (floor)':>18s} {'RssAnon GiB (+)':>15s}   "
               f"{'llama.cpp prefill':>17s} {'decode':>8s}   {'ours/llama.cpp prefill':>22s} {'decode':>7s}")
     try:
         models = _models()
@@ -197,14 +238,18 @@ def main(argv) -> int:
               file=sys.stderr)
         return 2
     try:
-        ours_rows = bench_ours(models, FLAGS.repeats)
+        ours_rows, llama = bench_ours(models, FLAGS.repeats)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from experiments.bandwidth import copy_bandwidth
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (512 MiB, numpy, 1 thread): {bw['median']:.2f} GB/s [{bw['min']:.2f}-{bw['max']:.2f}]; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(header)
     print("-" * len(header))
-    llama = {}
-    for (name, path, _, _, n_decode, _), ours in zip(models, ours_rows):
+    for (name, path, _, _, n_decode, _, _), ours in zip(models, ours_rows):
         ids = ours.pop("ids")
         key = (str(path), len(ids), n_decode)
         if key not in llama:  # once per file, whatever our layouts
@@ -219,10 +264,13 @@ def main(argv) -> int:
             lc = f"  ({ref['error'][:60]})"
         mem = f"{ours['read_mib_per_token']:.0f} ({ours['floor_mib_per_token']:.0f})"
         digits = lambda k: 0 if ours[k] >= 100 else 1 if ours[k] >= 10 else 2  # noqa: E731
-        print(f"{name:34s} {fmt_spread(ours['prefill_tok_s_runs'], 26, digits('prefill_tok_s'))} "
-              f"{fmt_spread(ours['decode_tok_s_runs'], 24, digits('decode_tok_s'))} {ours['held_gib']:8.2f} {mem:>18s}   {lc}",
-              flush=True)
-        row = {"model": name, "path": str(path), **ours, "llama_cpp": ref}
+        rss = (f"{ours['rss_anon_gib']:.2f} (+{ours['rss_anon_added_gib']:.2f})"
+               if "rss_anon_added_gib" in ours else "n/a")
+        print(f"{name:34s} {ours['kernels']:>7s} {fmt_spread(ours['prefill_tok_s_runs'], 26, digits('prefill_tok_s'))} "
+              f"{fmt_spread(ours['decode_tok_s_runs'], 24, digits('decode_tok_s'))} {ours['cpu_s_per_call']:10.2f} "
+              f"{ours['held_gib']:8.2f} {mem:>18s} {rss:>15s}   {lc}", flush=True)
+        row = {"model": name, "path": str(path), **ours, "llama_cpp": ref, "copy_gb_s": bw["median"],
+               "load_avg": os.getloadavg()[0], "file_gib": path.stat().st_size / 2**30}
         rows.append(row)
         if FLAGS.jsonl:
             with open(FLAGS.jsonl, "a") as fh:
@@ -233,9 +281,20 @@ def main(argv) -> int:
         print(f"\nresident anonymous memory of this process after the runs, all {len(models)} engine(s) loaded: "
               f"{rss:.2f} GiB "
               f"(GGUF file size{'s' if len(sizes) > 1 else ''}: {', '.join(f'{x / 2**30:.2f}' for x in sizes)} GiB)")
+        first, size = ours_rows[0], models[0][1].stat().st_size / 2**30
+        print(f"after loading the first configuration ({models[0][0]}, kernels={first['kernels']}) and decoding "
+              f"{max(3, models[0][4])} tokens: {first['rss_anon_gib']:.2f} GiB = {first['rss_anon_gib'] / size:.3f} x "
+              f"its file ({size:.2f} GiB; 1.05 x file + 0.3 GiB = {1.05 * size + 0.3:.2f} GiB)")
     print(f"\n(prompt {FLAGS.prompt_tokens} tokens, {FLAGS.decode_tokens} decoded; synthetic: "
           f"{FLAGS.synthetic_prompt_tokens} / {FLAGS.synthetic_decode_tokens}; ours: median [min-max] of "
           f"{FLAGS.repeats} warm interleaved rounds, ratios of medians; {os.cpu_count()} CPU cores)")
+    for (path, n_prompt, n_decode), ref in llama.items():
+        if ref and ref.get("interleaved"):
+            print(f"llama.cpp on {Path(path).name}: llama-bench -r 1 ({FLAGS.threads} threads) in each of the "
+                  f"rounds, median [min-max] prefill {fmt_spread(ref['prefill_tok_s_runs'])}, decode "
+                  f"{fmt_spread(ref['decode_tok_s_runs'], digits=2)} tok/s; process CPU s per llama-bench run "
+                  f"(model load, warm-up, one {n_prompt}-token prefill, one {n_decode}-token decode): "
+                  f"{fmt_spread(ref['cpu_s_runs'], digits=2)}")
     return 0
 
 

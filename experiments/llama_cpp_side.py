@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -86,24 +87,32 @@ def have_llama_cpp_python() -> bool:
 
 
 def prefill_decode(path: Path, ids: list[int], n_decode: int, *, threads: int = 2, n_ctx: int = 1024,
-                   llama_bin: str | None = None) -> dict | None:
-    """llama.cpp prefill and decode tokens/s on `path`: llama-bench from --llama_bin if present, else
-    llama-cpp-python on the same prompt ids, else None."""
+                   llama_bin: str | None = None, repetitions: int | None = None) -> dict | None:
+    """llama.cpp prefill and decode tokens/s on `path`: llama-bench from --llama_bin if present (its
+    `-r repetitions`, default llama-bench's own; the record adds `cpu_s`, the process CPU seconds of the
+    whole llama-bench run, model load and warm-up included), else llama-cpp-python on the same prompt
+    ids, else None."""
     bench = find_tool(llama_bin, BENCH_TOOL)
     if bench is not None:
-        return _llama_bench(bench, path, len(ids), n_decode, threads)
+        return _llama_bench(bench, path, len(ids), n_decode, threads, repetitions)
     if have_llama_cpp_python():
         return _llama_cpp_python(path, ids, n_decode, threads, n_ctx)
     return None
 
 
-def _llama_bench(tool: Path, path: Path, n_prompt: int, n_decode: int, threads: int) -> dict:
+def _llama_bench(tool: Path, path: Path, n_prompt: int, n_decode: int, threads: int,
+                 repetitions: int | None = None) -> dict:
     cmd = [str(tool), "-m", str(path), "-p", str(n_prompt), "-n", str(n_decode), "-t", str(threads), "-o", "json"]
+    if repetitions is not None:
+        cmd += ["-r", str(repetitions)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout)
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
         return {"error": f"llama-bench failed: {e}"}
-    out = {"source": "llama-bench"}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    out = {"source": "llama-bench", "cpu_s": cpu_s, "repetitions": repetitions}
     for r in res:  # one record for the prompt test (n_prompt > 0), one for the generation test
         out["prefill_tok_s" if r.get("n_prompt", 0) else "decode_tok_s"] = r.get("avg_ts")
     return out

@@ -230,11 +230,17 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
 def test_bench_decode(runs, request):
     tmp, res = result(runs, request)
     assert "median [min-max] of 2 warm interleaved rounds" in ok(res).stdout
-    (rec,) = jsonl(tmp / "decode.jsonl")
-    assert rec["model"] == "default" and rec["prompt_tokens"] == 12 and rec["decode_tokens"] == 4
-    assert re.search(r"^default\s+[\d.]+ \[[\d.]+-[\d.]+\]\s+[\d.]+ \[[\d.]+-[\d.]+\]", res.stdout, re.M)
-    for key in ("prefill_tok_s", "decode_tok_s"):
-        _check_spread(rec, key, rounds=2)
+    recs = jsonl(tmp / "decode.jsonl")
+    assert [r["kernels"] for r in recs] == ["ggml", "xla"]  # the default --kernels, side by side
+    assert "copy bandwidth" in res.stdout and all(r["copy_gb_s"] > 0 for r in recs)
+    for rec in recs:
+        assert rec["model"] == "default" and rec["prompt_tokens"] == 12 and rec["decode_tokens"] == 4
+        assert re.search(rf"^default\s+{rec['kernels']}\s+[\d.]+ \[[\d.]+-[\d.]+\]\s+[\d.]+ \[[\d.]+-[\d.]+\]",
+                         res.stdout, re.M)
+        for key in ("prefill_tok_s", "decode_tok_s", "cpu_s_per_call"):
+            _check_spread(rec, key, rounds=2)
+    assert recs[0]["rss_anon_gib"] > 0  # RssAnon after each load + warm-up; the second adds to the first's
+    assert abs(recs[1]["rss_anon_gib"] - recs[0]["rss_anon_gib"] - recs[1]["rss_anon_added_gib"]) < 1e-9
 
 
 def test_bench_verify(runs, request):
@@ -294,9 +300,15 @@ def test_bench_moe(runs, request):
     tmp, res = result(runs, request)
     assert "True" in ok(res).stdout  # the bitwise column
     recs = jsonl(tmp / "moe.jsonl")
-    assert [r["N"] for r in recs] == [1, 8]
+    assert [(r["N"], r["kernels"]) for r in recs] == [(1, "ggml"), (1, "xla"), (8, "ggml"), (8, "xla")]
+    assert "copy bandwidth" in res.stdout and "N = 1, grouped expert bytes streamed" in res.stdout
+    for name in ("ggml", "xla"):  # the verdict is the records' medians, recomputed here
+        wins = all(r["ms_grouped"] < r["ms_per_token"] for r in recs if r["kernels"] == name)
+        assert re.search(rf"^{name}: grouped beats per-token \(median wall\) at every N: {'yes' if wins else 'no'}",
+                         res.stdout, re.M)
     for r in recs:
         assert r["bitwise_equal"] is True and r["bytes_grouped"] == r["bytes_floor"] <= r["bytes_per_token"]
+        assert r["grouped_gb_s"] > 0 and r["copy_gb_s"] > 0
         assert r["grouped_bytes_per_token"] == r["bytes_grouped"] / r["N"]
         for key in ("ms_per_token", "ms_grouped", "cpu_ms_per_token", "cpu_ms_grouped"):
             _check_spread(r, key, rounds=2)
