@@ -192,6 +192,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/quant/test_matmul.py",),
     ),
     Mutation(
+        "ggml_composed_loops_jax_silu",
+        "expert residency (any budget, policy) == all-resident with kernels='ggml': the composed loops run "
+        "ggml's fused expert op one expert at a time (Backend.expert_ffn), not a JAX SiLU between two matmuls",
+        "sharpi_jax/quant/backends/ggml.py",
+        (("    def expert_ffn(self, x: jax.Array, loaded, stacks) -> jax.Array:\n",
+          "    def _unused_expert_ffn(self, x: jax.Array, loaded, stacks) -> jax.Array:  # MUTATION\n"),),
+        ("tests/experts/test_residency.py::test_fixture_bitwise",),
+        ("tests/experts/test_residency.py",),
+    ),
+    Mutation(
+        "ggml_expert_parallel_computes_foreign_rows",
+        "expert parallelism with kernels='ggml': a device computes only its own experts' rows (+0.0 elsewhere), "
+        "so the psum of bit patterns is bitwise one device's",
+        "sharpi_jax/quant/backends/ggml.py",
+        (("ids = jnp.where((sel >= 0) & (sel < n_expert), sel, -1).astype(jnp.int32)",
+          "ids = jnp.clip(sel, 0, n_expert - 1).astype(jnp.int32)  # MUTATION: foreign rows computed"),),
+        ("tests/experts/test_expert_parallel.py", "-k", "test_logits_bitwise_equal_one_device"),
+        ("tests/experts/test_expert_parallel.py",),
+    ),
+    Mutation(
         "pallas_reduce_drops_last_rank",
         "pallas (interpret on CPU) matches the reference: the weighted top-k reduce kernel",
         "pallas_kernels/weighted_reduce/kernel.py",
