@@ -6,6 +6,7 @@ slices of the real Qwen3.5-122B-A10B and 397B-A17B shapes (6.9 and 18 GB files).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -23,7 +24,8 @@ DEVICES = 4
 def _measured(path, budget: int, devices: int) -> dict:
     cmd = [sys.executable, str(REPO_ROOT / "tests" / "experiments" / "plan_checks.py"), str(path), str(budget),
            str(devices)]
-    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=3000)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))  # the script's own folder is sys.path[0], not the repo
+    res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -55,23 +57,26 @@ def test_plan_equals_what_load_holds(tmp_path):
 
 
 def test_fused_projections_are_counted_as_loaded(tmp_path, monkeypatch):
-    """repack="auto" picks int8 by a matrix's size, and the loader fuses same-type projections (shared
-    gate+up, attention q/k/v, GDN qkv+gate+beta+alpha) before choosing: with the threshold between a
-    tiny matrix and a fused pair, the plan must count the fused layouts (as on the real shapes)."""
-    import sharpi_jax as sj
-    from sharpi_jax.model.footprint import held_bytes
+    """kernels="xla" with repack="auto" picks int8 by a matrix's size, and the loader fuses same-type
+    projections (shared gate+up, attention q/k/v, GDN qkv+gate+beta+alpha) before choosing: with the
+    threshold between a tiny matrix and a fused pair, the plan must count the fused layouts (as on the
+    real shapes)."""
     import importlib
 
-    matmul = importlib.import_module("sharpi_jax.quant.matmul")  # the module (the package exports a function of that name)
+    import sharpi_jax as sj
+    from sharpi_jax.config import RunConfig
+    from sharpi_jax.model.footprint import held_bytes
 
+    xla = importlib.import_module("sharpi_jax.quant.backends.xla")
+    run = RunConfig(kernels="xla")
     path = write_synthetic_gguf(tmp_path / "tiny.gguf", shape_preset("tiny", 4), qtype="Q4_K")
     with GGUFFile(path) as f:
         c = read_model_config(f)
-        unfused_threshold = plan(f, c)["resident_bytes"]
-        monkeypatch.setattr(matmul, "INT8_AUTO_MIN_WEIGHTS", 12000)  # one [64, 128] matrix below, a pair above
-        want = plan(f, c)["resident_bytes"]
+        unfused_threshold = plan(f, c, run=run)["resident_bytes"]
+        monkeypatch.setattr(xla, "INT8_AUTO_MIN_WEIGHTS", 12000)  # one [64, 128] matrix below, a pair above
+        want = plan(f, c, run=run)["resident_bytes"]
     assert want != unfused_threshold  # the threshold now changes layouts
-    assert want == sum(held_bytes(sj.load(path, max_context=64).model).values())
+    assert want == sum(held_bytes(sj.load(path, max_context=64, kernels="xla").model).values())
 
 
 def test_preset_plan_equals_the_written_file(tmp_path):

@@ -94,6 +94,22 @@ def test_grouped_equals_per_token_gemm(qtype, n, k):
     _assert_parity(_experts(qtype), *_routing(rng, n, k))
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n,k", [(1, 8), (5, 5), (31, 7)])
+def test_ggml_fused_grouped_equals_composed_per_token(qtype, n, k):
+    """kernels="ggml": "grouped" is ggml's fused expert op (one FFI call for the layer); "per_token" is the
+    composed loop, which runs that op one expert at a time (`Backend.expert_ffn`): same bits (f32 experts
+    included, where no activation quantization would hide a different SiLU)."""
+    from sharpi_jax.quant import ggml
+
+    if not ggml.available():
+        pytest.skip(f"ggml extension unavailable: {ggml.unavailable_reason()}")
+    ew = _experts(qtype, "ggml")
+    assert all(m.kernels == "ggml" and m.layout == "blocks" for m in ew)
+    rng = np.random.default_rng(5000 * n + k)
+    _assert_parity(ew, *_routing(rng, n, k))
+
+
 @pytest.mark.parametrize("qtype", ["f32", "q4_k"])
 @pytest.mark.parametrize("n,k", [(1, 8), (3, 8), (13, 4), (64, 8)])
 def test_grouped_equals_per_token_gemv(qtype, n, k):

@@ -65,6 +65,17 @@ def test_verify_is_bitwise_sequential_decode(T):
     _check_verify_parity(engine(name, "F32"), prompt, tokens)
 
 
+@pytest.mark.parametrize("T", [3])
+def test_verify_is_bitwise_sequential_decode_xla(T):
+    """The same parity with kernels="xla", whose M = 1 products differ from M >= 2: decode must run its
+    single row through the row-stable 2-row bucket (ggml, the CPU default, is row-stable at any M)."""
+    name = "tiny-qwen35moe"
+    ref = references(name)
+    prompt = ref["variants"][f"{name}-F32"]["tokens"][0]
+    tokens = ref["transformers"]["greedy"][0][:T]
+    _check_verify_parity(fixture_engine(name, "F32", MAX_CONTEXT, kernels="xla"), prompt, tokens)
+
+
 @pytest.mark.parametrize("name,variant,T", [("tiny-qwen35moe", "Q4_K_M", 3), ("tiny-qwen3next", "F32", 4)])
 def test_verify_parity_other_models(name, variant, T):
     """Same parity with mixed quant types dequantized in the step, and the grouped GDN layout."""
