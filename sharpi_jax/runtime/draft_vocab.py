@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharpi_jax.errors import InputError
+from sharpi_jax.experts.residency.counts import calibration_paths, save_json
 from sharpi_jax.quant import QTensor, matmul
 
 SUFFIX = ".draft-vocab.json"
@@ -34,10 +35,7 @@ FALLBACK = "token id order (BPE merge order)"
 
 def vocab_paths(model_path: str | os.PathLike[str]) -> list[Path]:
     """Where a saved ranking is looked for: beside the model, then in the cache dir."""
-    p = Path(model_path)
-    cache = Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax")) / "draft-vocab"
-    size = p.stat().st_size if p.exists() else 0
-    return [Path(str(p) + SUFFIX), cache / f"{p.name}-{size}{SUFFIX}"]
+    return calibration_paths(model_path, "draft-vocab", SUFFIX)
 
 
 def ranking(counts: Mapping[int, int] | None, n_vocab: int) -> np.ndarray:
@@ -68,18 +66,7 @@ def save(counts: Mapping[int, int], model_path: str | os.PathLike[str], tokens: 
     """Write the counts beside the model (or the cache dir when that is not writable)."""
     data = {"format": FORMAT, "model": Path(model_path).name, "tokens": int(tokens),
             "counts": {str(i): int(c) for i, c in sorted(counts.items())}}
-    targets = [Path(path)] if path is not None else vocab_paths(model_path)
-    err = None
-    for t in targets:
-        try:
-            t.parent.mkdir(parents=True, exist_ok=True)
-            tmp = t.with_name(t.name + ".partial")
-            tmp.write_text(json.dumps(data))
-            tmp.replace(t)
-            return t
-        except OSError as e:
-            err = e
-    raise InputError(f"cannot save the draft vocabulary ({targets}): {err}")
+    return save_json(data, [Path(path)] if path is not None else vocab_paths(model_path), "the draft vocabulary")
 
 
 def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[str] = True) -> dict[int, int]:

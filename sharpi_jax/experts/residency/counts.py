@@ -20,12 +20,33 @@ COUNTS_SUFFIX = ".expert-counts.json"
 COUNTS_FORMAT = "sharpi-expert-counts/1"
 
 
+def calibration_paths(model_path: str | os.PathLike[str], kind: str, suffix: str) -> list[Path]:
+    """Where a calibration file of `kind` for a model lives: beside it, then in the cache dir
+    ($SHARPI_CACHE/kind, keyed by file name and size, for models in read-only directories)."""
+    p = Path(model_path)
+    cache = Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax")) / kind
+    size = p.stat().st_size if p.exists() else 0
+    return [Path(str(p) + suffix), cache / f"{p.name}-{size}{suffix}"]
+
+
+def save_json(data: Any, targets: Sequence[Path], what: str) -> Path:
+    """Writes `data` as JSON to the first writable target (atomically: a .partial file renamed)."""
+    err = None
+    for t in targets:
+        try:
+            t.parent.mkdir(parents=True, exist_ok=True)
+            tmp = t.with_name(t.name + ".partial")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(t)
+            return t
+        except OSError as e:
+            err = e
+    raise InputError(f"cannot save {what} ({list(targets)}): {err}")
+
+
 def counts_paths(model_path: str | os.PathLike[str]) -> list[Path]:
     """Where calibrated counts for a model are looked for: beside it, then in the cache dir."""
-    p = Path(model_path)
-    cache = Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax")) / "expert-counts"
-    size = p.stat().st_size if p.exists() else 0
-    return [Path(str(p) + COUNTS_SUFFIX), cache / f"{p.name}-{size}{COUNTS_SUFFIX}"]
+    return calibration_paths(model_path, "expert-counts", COUNTS_SUFFIX)
 
 
 def load_counts(source: Any, model_path: str | os.PathLike[str], c: ModelConfig
@@ -84,18 +105,7 @@ def save_counts(counts: Mapping[int, Sequence[int]], model_path: str | os.PathLi
     data = {"format": COUNTS_FORMAT, "model": Path(model_path).name, "n_expert": c.n_expert,
             "top_k": c.n_expert_used, "tokens": int(tokens),
             "layers": {str(i): [int(x) for x in v] for i, v in sorted(counts.items())}}
-    targets = [Path(path)] if path is not None else counts_paths(model_path)
-    err = None
-    for t in targets:
-        try:
-            t.parent.mkdir(parents=True, exist_ok=True)
-            tmp = t.with_name(t.name + ".partial")
-            tmp.write_text(json.dumps(data))
-            tmp.replace(t)
-            return t
-        except OSError as e:
-            err = e
-    raise InputError(f"cannot save expert counts ({targets}): {err}")
+    return save_json(data, [Path(path)] if path is not None else counts_paths(model_path), "expert counts")
 
 
 def calibrate(engine, prompts: Sequence[Any], save: bool | str | os.PathLike[str] = True) -> dict[int, list[int]]:
