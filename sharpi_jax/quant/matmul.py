@@ -7,13 +7,16 @@ loader holds every matrix (and every routed-expert stack) for a backend.
 
 | kernels     | float (F32/F16/BF16)             | quantized blocks                                      |
 |-------------|----------------------------------|-------------------------------------------------------|
+| "ggml"      | ggml vec_dot on the file's bytes | ggml from_float + vec_dot on the file's blocks, one   |
+|             | (BF16/F16: activations rounded)  | FFI call per product (any M row-stable); others: xla  |
 | "reference" | f32 dot on the exact values      | dequantize exactly in the step, f32 dot               |
 | "xla"       | f32 dot (BF16: bf16 x bf16 -> f32)| SoA (Q8_0/Q4_K) or blocks, dequantized in the step;  |
 |             |                                  | repack="int8"/"auto": int8 rows, two-plane int8 dot   |
 | "pallas"    | Triton kernel (F32/F16)          | Triton kernel, in-kernel dequant (Q8_0, Q4_K, Q5_K, Q6_K); |
 |             |                                  | others: the reference (`MatrixFormat.why_not` says why) |
 
-"auto" is the highest-ranked registered backend for the platform: "pallas" on a GPU, "xla" elsewhere.
+"auto" is the highest-ranked available backend for the platform: "pallas" on a GPU, "ggml" on CPU where
+its native extension loaded, else "xla".
 On CPU the Pallas kernel runs in interpret mode (tests).
 
 Bit parity between a row computed alone and in a batch (what batched verify == sequential decode
