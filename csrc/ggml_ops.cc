@@ -168,7 +168,7 @@ void tile_product(const Kernel& kr, const uint8_t* w, const uint8_t* q, int64_t 
 // y[M, N] = x[M, K] @ W[N, K].T with W in ggml blocks.
 void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int qtype,
             float* y) {
-  if (m_rows == 0 || n_rows == 0) return;
+  if (m_rows <= 0 || n_rows == 0) return;
   Kernel kr(qtype, k);
   std::vector<uint8_t> q(kr.q_row * m_rows);
   pool.run(m_rows, [&](int64_t m) { kr.quantize(x + m * k, q.data() + m * kr.q_row); });
@@ -309,13 +309,18 @@ Pool xla_pool(ffi::ThreadPool tp) {
   return Pool{threads, [holder](std::function<void()> task) { holder->Schedule(std::move(task)); }};
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, int32_t qtype,
-                      ffi::ResultBuffer<ffi::F32> y) {
+// `rows` (int32 scalar): only x rows [0, rows) are multiplied; the output rows after them are +0.0 (bucket
+// padding: decode's second row, a verify bucket's unused rows). Computed rows keep their bits.
+ffi::Error MatmulImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::Buffer<ffi::S32> rows, int32_t qtype, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("ggml matmul: x and w must be 2-D");
+  if (rows.element_count() != 1) return ffi::Error::InvalidArgument("ggml matmul: rows must be a scalar");
   std::string err = check_rows(qtype, xd[1], wd[1]);
   if (!err.empty()) return ffi::Error::InvalidArgument("ggml matmul: " + err);
-  matmul(xla_pool(tp), x.typed_data(), xd[0], xd[1], w.typed_data(), wd[0], qtype, y->typed_data());
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  matmul(xla_pool(tp), x.typed_data(), m, xd[1], w.typed_data(), wd[0], qtype, y->typed_data());
+  std::fill(y->typed_data() + m * wd[0], y->typed_data() + xd[0] * wd[0], 0.0f);
   return ffi::Error::Success();
 }
 
@@ -343,6 +348,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGgmlMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("qtype")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

@@ -206,10 +206,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "expert parallelism with kernels='ggml': a device's op skips the other devices' pairs (id -1), so "
         "its logits are bitwise one device's",
         "sharpi_jax/quant/backends/ggml.py",
-        (("ids = jnp.where((sel >= 0) & (sel < n_expert), sel, -1).astype(jnp.int32)",
-          "ids = sel.astype(jnp.int32)  # MUTATION: other devices' pairs passed through"),),
+        (("keep = (sel >= 0) & (sel < n_expert)",
+          "keep = jnp.ones(sel.shape, bool)  # MUTATION: other devices' pairs passed through"),),
         ("tests/experts/test_expert_parallel.py", "-k", "test_logits_bitwise_equal_one_device"),
         ("tests/experts/test_expert_parallel.py",),
+    ),
+    Mutation(
+        "ggml_padding_rows_multiplied",
+        "kernels='ggml': a bucket's padding rows (decode's second row, a verify bucket's unused rows) are "
+        "not multiplied",
+        "sharpi_jax/model/layers.py",
+        (("ys = [matmul(x, p, rows=rows) for p in self.parts()]",
+          "ys = [matmul(x, p) for p in self.parts()]  # MUTATION: padding rows multiplied"),),
+        ("tests/quant/test_engine_backends.py", "-k", "test_ggml_skips_bucket_padding_rows"),
+    ),
+    Mutation(
+        "ggml_padding_experts_computed",
+        "kernels='ggml': a bucket's padding rows read and compute no experts",
+        "sharpi_jax/quant/backends/ggml.py",
+        (("            keep &= valid[:, None]\n", "            pass  # MUTATION: padding rows computed\n"),),
+        ("tests/quant/test_ggml.py", "-k", "test_backend_grouped_op_skips_padding_rows"),
     ),
     Mutation(
         "pallas_reduce_drops_last_rank",

@@ -321,14 +321,15 @@ def _grouped(u, sel, view, tiles: tuple[int, ...]):
 
 
 def expert_rows(u: jax.Array, sel: jax.Array, experts, mode: str = "grouped", row_kernel: str = "gemm",
-                row_tile: int | None = None, options: quant.ExpertOptions | None = None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                row_tile: int | None = None, options: quant.ExpertOptions | None = None,
+                valid: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The unreduced expert outputs Y [N, k, D] (Y[i, j] = expert_{sel[i, j]}(u[i])) and the read
     counters (`with_stats`), as `routed_experts` computes them.
 
     `experts`: (gate, up, down) QTensor stacks, or a view with `StackView`'s interface (e.g. two stacks
     read as one, for expert residency). "grouped" on stacks whose backend has its own grouped op
-    (`Backend.expert_rows`) runs that op; otherwise the composed loops run on the backend's hooks."""
+    (`Backend.expert_rows`) runs that op; otherwise the composed loops run on the backend's hooks.
+    valid (bool [N]): rows with valid False are bucket padding; a backend's grouped op may skip them."""
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     options = options or quant.ExpertOptions(row_kernel=row_kernel, row_tile=row_tile)
@@ -336,7 +337,7 @@ def expert_rows(u: jax.Array, sel: jax.Array, experts, mode: str = "grouped", ro
         experts = check_experts(experts)
         backend = experts_backend(experts)
         if mode == "grouped" and backend.expert_rows is not None:
-            y, loads = backend.expert_rows(u, sel, experts, options)
+            y, loads = backend.expert_rows(u, sel, experts, options, valid=valid)
             per_read = _expert_bytes(experts)
             read = jax.lax.fori_loop(0, loads, lambda _, c: _add_bytes(c, per_read), _no_bytes(per_read))
             return y, _counters(loads, read)
@@ -369,6 +370,7 @@ def routed_experts(
     block_n: int = 64,
     interpret: bool | None = None,
     with_stats: bool = False,
+    valid: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """Routed-expert output: sum_j w[i, j] * expert_{sel[i, j]}(u[i]), rank order, no shared expert.
 
@@ -383,7 +385,9 @@ def routed_experts(
     mode "per_token" | "grouped"; row_kernel "gemm" | "gemv" (the composed loops; see module doc);
     row_tile: one fixed grouped-gemm tile (>= 2; default: a ladder sized to each bucket, see
     `row_tiles`); block_m/block_n: the Pallas kernel's row and column tiles; interpret: run the
-    Pallas kernels in interpret mode (default: when the backend is CPU).
+    Pallas kernels in interpret mode (default: when the backend is CPU). valid (bool [N]): rows with
+    valid False are bucket padding (already carrying zero weights); a backend's grouped op may skip
+    them (ggml does).
     """
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
@@ -397,7 +401,7 @@ def routed_experts(
     experts = check_experts(experts, u.shape[1])
     backend = experts_backend(experts)
     options = quant.ExpertOptions(row_kernel, row_tile, block_m, block_n, interpret)
-    y, stats = expert_rows(u.astype(jnp.float32), sel, experts, mode, row_kernel, row_tile, options)
+    y, stats = expert_rows(u.astype(jnp.float32), sel, experts, mode, row_kernel, row_tile, options, valid)
     out = backend.weighted_reduce(y, w.astype(jnp.float32), options)
     return (out, stats) if with_stats else out
 

@@ -77,8 +77,9 @@ class RoutedExperts(nnx.Module):
         return tuple(getattr(self, m).get_value() for m in EXPERT_MATRICES)
 
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-        """`moe.ExpertProvider`: padding rows already carry zero weights, so `valid` is not needed."""
-        return routed_experts(u, sel, w, self.weights(), mode=self.mode, row_kernel=self.row_kernel)
+        """`moe.ExpertProvider`: padding rows (valid False) already carry zero weights; `valid` only
+        lets a backend's grouped op skip them."""
+        return routed_experts(u, sel, w, self.weights(), mode=self.mode, row_kernel=self.row_kernel, valid=valid)
 
 
 class GGUFExperts:

@@ -52,7 +52,8 @@ class GatedAttention(nnx.Module):
         Hq, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
         G = Hq // Hkv
         S = cache_k.shape[1]
-        y = self.w_qkv(x)
+        n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first; the rest is bucket padding
+        y = self.w_qkv(x, n_valid)
         qg = y[:, : 2 * Hq * hd].reshape(T, Hq, 2, hd)  # interleaved per head: [q_h | gate_h]
         q, gate = qg[:, :, 0], qg[:, :, 1]
         k = y[:, 2 * Hq * hd: 2 * Hq * hd + Hkv * hd].reshape(T, Hkv, hd)
@@ -88,5 +89,5 @@ class GatedAttention(nnx.Module):
             o = view_values(p, cache_v, src)
         o = o.reshape(Hkv, G, T, hd).transpose(2, 0, 1, 3).reshape(T, Hq, hd)
         o = o * jax.nn.sigmoid(gate)
-        out = self.w_o(o.reshape(T, Hq * hd))
+        out = self.w_o(o.reshape(T, Hq * hd), n_valid)
         return (out, cache_k, cache_v, q) if with_q else (out, cache_k, cache_v)

@@ -147,9 +147,9 @@ class GatedDeltaNet(nnx.Module):
     def scale(self) -> float:
         return 1.0 / self.dk ** 0.5
 
-    def _project(self, x):
+    def _project(self, x, rows=None):
         C, Hv = self.conv_dim, self.Hv
-        y = self.w_in(x)
+        y = self.w_in(x, rows)
         qkv = y[:, :C]
         z = y[:, C: C + Hv * self.dv].reshape(-1, Hv, self.dv)
         beta = jax.nn.sigmoid(y[:, C + Hv * self.dv: C + Hv * self.dv + Hv])
@@ -181,10 +181,11 @@ class GatedDeltaNet(nnx.Module):
             acc = acc + w[i] * window[i]
         return acc
 
-    def _finish(self, o, z):
-        """Gated RMSNorm per head, then the output projection. o, z [T, Hv, dv] -> [T, D]."""
+    def _finish(self, o, z, rows=None):
+        """Gated RMSNorm per head, then the output projection. o, z [T, Hv, dv] -> [T, D]; rows: only
+        rows [0, rows) are needed (`Linear`)."""
         o = rms_norm(o, self.norm[...], self.eps) * jax.nn.silu(z)
-        return self.w_out(o.reshape(o.shape[0], -1))
+        return self.w_out(o.reshape(o.shape[0], -1), rows)
 
     def _token(self, conv, S, qkv_t, beta_t, g_t):
         """One token of the recurrent form: (conv, ssm) state before it -> (conv, ssm, o [Hv, dv])."""
@@ -194,22 +195,24 @@ class GatedDeltaNet(nnx.Module):
         S, o = delta_rule_step(S, q, k, v, beta_t, g_t, self.scale)
         return window[1:], S, o
 
-    def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array, parent: jax.Array | None = None):
+    def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array, parent: jax.Array | None = None,
+                  rows: jax.Array | None = None):
         """Token-by-token form. x [T, D] -> (out [T, D], conv snapshots [T, Kc-1, C], ssm snapshots
         [T, Hv, dv, dk]); snapshot t is the state right after token t. parent [T] (draft-tree rows,
-        parent[t] < t): row t starts from snapshot parent[t] (-1: the given state) instead of row t-1's."""
-        qkv, z, beta, g = self._project(x)
+        parent[t] < t): row t starts from snapshot parent[t] (-1: the given state) instead of row t-1's.
+        rows: only rows [0, rows) are needed (bucket padding after them: their projections may be +0.0)."""
+        qkv, z, beta, g = self._project(x, rows)
         if parent is not None:
-            return self._recurrent_tree(qkv, z, beta, g, conv_state, ssm_state, parent)
+            return self._recurrent_tree(qkv, z, beta, g, conv_state, ssm_state, parent, rows)
 
         def body(carry, xs):
             conv, S, o = self._token(*carry, *xs)
             return (conv, S), (o, conv, S)
 
         _, (o, conv_snaps, ssm_snaps) = jax.lax.scan(body, (conv_state, ssm_state), (qkv, beta, g))
-        return self._finish(o, z), conv_snaps, ssm_snaps
+        return self._finish(o, z, rows), conv_snaps, ssm_snaps
 
-    def _recurrent_tree(self, qkv, z, beta, g, conv_state, ssm_state, parent):
+    def _recurrent_tree(self, qkv, z, beta, g, conv_state, ssm_state, parent, rows=None):
         T = qkv.shape[0]
 
         def body(snaps, xs):
@@ -225,16 +228,15 @@ class GatedDeltaNet(nnx.Module):
 
         init = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype),
                 jnp.zeros((T,) + ssm_state.shape, ssm_state.dtype))
-        rows = jnp.arange(T, dtype=jnp.int32)
-        (conv_snaps, ssm_snaps), o = jax.lax.scan(body, init, (rows, parent, qkv, beta, g))
-        return self._finish(o, z), conv_snaps, ssm_snaps
+        (conv_snaps, ssm_snaps), o = jax.lax.scan(body, init, (jnp.arange(T, dtype=jnp.int32), parent, qkv, beta, g))
+        return self._finish(o, z, rows), conv_snaps, ssm_snaps
 
     def chunked(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,
                 ssm_state: jax.Array, chunk: int | None = None):
         """Prefill form. x [T, D]; rows >= n_valid (valid False) are padding and leave the state as is.
         Returns (out [T, D], conv state, ssm state) after the last valid row."""
         T = x.shape[0]
-        qkv, z, beta, g = self._project(x)
+        qkv, z, beta, g = self._project(x, n_valid)
         X = jnp.concatenate([conv_state, qkv], axis=0)  # [Kc-1+T, C]
         w = self.conv_w[...]
         acc = w[0] * X[0:T]
@@ -247,11 +249,11 @@ class GatedDeltaNet(nnx.Module):
         k, v = jnp.where(m[..., None], k, 0.0), jnp.where(m[..., None], v, 0.0)
         o, S = delta_rule_chunked(q, k, v, beta, g, ssm_state, self.scale, self.chunk if chunk is None else chunk,
                                   self.solve)
-        return self._finish(o, z), new_conv, S
+        return self._finish(o, z, n_valid), new_conv, S
 
     def sequential(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,
                    ssm_state: jax.Array):
         """The recurrent form with the chunked form's signature (for cross-checking the two)."""
-        out, conv_snaps, ssm_snaps = self.recurrent(x, conv_state, ssm_state)
+        out, conv_snaps, ssm_snaps = self.recurrent(x, conv_state, ssm_state, rows=n_valid)
         i = jnp.maximum(n_valid - 1, 0)
         return out, conv_snaps[i], ssm_snaps[i]

@@ -36,11 +36,12 @@ class Linear(nnx.Module):
     def parts(self) -> tuple[QTensor, ...]:
         return tuple(self.w.get_value())
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [M, d_in] -> [M, d_out]; leading batch axes [..., d_in] are flattened into one matmul."""
+    def __call__(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """x [M, d_in] -> [M, d_out]; leading batch axes [..., d_in] are flattened into one matmul.
+        rows: only x rows [0, rows) are needed (bucket padding after them; `quant.matmul`)."""
         if x.ndim > 2:
             return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
-        ys = [matmul(x, p) for p in self.parts()]
+        ys = [matmul(x, p, rows=rows) for p in self.parts()]
         return ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
 
     def dequantize(self) -> jax.Array:
@@ -98,5 +99,6 @@ class SwiGLU(nnx.Module):
         self.gate_up = Linear(d_model, 2 * d_ff)  # [gate | up] fused at load
         self.down = Linear(d_ff, d_model)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(swiglu(self.gate_up(x)))
+    def __call__(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """rows: only x rows [0, rows) are needed (`Linear`)."""
+        return self.down(swiglu(self.gate_up(x, rows)), rows)

@@ -60,10 +60,11 @@ class MoE(nnx.Module):
         self.experts = experts
         self.shared = SwiGLU(c.d_model, c.shared_expert_ff) if self.has_shared else None
 
-    def __call__(self, u: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    def __call__(self, u: jax.Array, valid: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
         """u [N, D] normed rows; rows with valid False (bucket padding) are routed like row 0 with zero
-        weights, so they add no expert reads. Rows are independent bit for bit."""
-        r = self.router(u)
+        weights, so they add no expert reads. Rows are independent bit for bit. rows: when the padding
+        rows are all after row `rows`, the matmuls may skip them (`Linear`)."""
+        r = self.router(u, rows)
         probs = jax.nn.softmax(r[:, : self.n_expert], axis=-1)  # what `route` computes
         if self.record_router:
             self.sow(nnx.Intermediate, "router_probs", probs)
@@ -73,5 +74,5 @@ class MoE(nnx.Module):
             w = jnp.where(valid[:, None], w, 0.0)
         out = self.experts(u, sel, w, valid)
         if self.has_shared:
-            out = out + jax.nn.sigmoid(r[:, self.n_expert:]) * self.shared(u)
+            out = out + jax.nn.sigmoid(r[:, self.n_expert:]) * self.shared(u, rows)
         return out

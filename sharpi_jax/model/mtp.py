@@ -60,9 +60,11 @@ class MTPHead(nnx.Module):
         valid = rows < n_valid
         c = jnp.concatenate([self.enorm(self.embed(tokens)), self.hnorm(h)], axis=-1)
         mode = "chunked" if tree is None else "recurrent"  # the MTP block is attention: the mode is moot
-        y, cache, _, q = self.block(self.eh_proj(c), cache, positions, valid, mode, tree, with_q=True)
+        rows = None if tokens.ndim > 1 else jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
+        y, cache, _, q = self.block(self.eh_proj(c, rows), cache, positions, valid, mode, tree, with_q=True)
         return (self.shared_head_norm(y), cache, q) if with_q else (self.shared_head_norm(y), cache)
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """LM head on post-norm rows [T >= 2, D] -> [T, V]."""
-        return self.lm_head(h)
+    def logits(self, h: jax.Array, rows: jax.Array | int | None = None) -> jax.Array:
+        """LM head on post-norm rows [T >= 2, D] -> [T, V]; rows: only rows [0, rows) are needed
+        (`Linear`: a 2-row bucket's padding row costs nothing on a row-stable backend)."""
+        return self.lm_head(h, rows)

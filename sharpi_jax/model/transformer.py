@@ -99,7 +99,8 @@ class Block(nnx.Module):
             return m, cache._replace(k=k, v=v), None, q
         if mode == "recurrent":
             parent = None if tree is None else tree.parent
-            m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm, parent)
+            n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
+            m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm, parent, n_valid)
             return m, cache, GDNCache(conv_snaps, ssm_snaps), None
         n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
         form = self.mixer.chunked if mode == "chunked" else self.mixer.sequential
@@ -107,12 +108,16 @@ class Block(nnx.Module):
         return m, GDNCache(conv, ssm), None, None
 
     def feed_forward(self, h: jax.Array, valid: jax.Array) -> jax.Array:
-        if h.ndim == 3:  # a batch of sequences: all B*T rows at once
+        if h.ndim == 3:  # a batch of sequences: all B*T rows at once (padding rows interleaved)
             B, T, D = h.shape
-            rows = jnp.broadcast_to(valid, (B, T)).reshape(B * T)
-            return self.feed_forward(h.reshape(B * T, D), rows).reshape(B, T, D)
+            mask = jnp.broadcast_to(valid, (B, T)).reshape(B * T)
+            return self._ffn(h.reshape(B * T, D), mask, None).reshape(B, T, D)
+        return self._ffn(h, valid, jnp.sum(valid, dtype=jnp.int32))  # valid rows come first
+
+    def _ffn(self, h: jax.Array, valid: jax.Array, rows: jax.Array | None) -> jax.Array:
+        """rows: only rows [0, rows) are needed (None: padding may be anywhere, `valid` says where)."""
         u = self.post_norm(h)
-        return self.ffn(u, valid) if self.is_moe else self.ffn(u)
+        return self.ffn(u, valid, rows) if self.is_moe else self.ffn(u, rows)
 
 
 class Transformer(nnx.Module):
@@ -161,4 +166,4 @@ class Transformer(nnx.Module):
         [T, ...] for a GDN layer, None for an attention layer). tree: draft-tree rows at positions
         start + tree.depth (`sharpi_jax.model.tree`); None: a chain at start, start + 1, ..."""
         hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent", tree)
-        return self.lm_head(hidden), hidden, state, snapshots
+        return self.lm_head(hidden, n_valid), hidden, state, snapshots

@@ -99,16 +99,22 @@ def _check_rows(qtype: int, k: int, row_bytes: int, what: str) -> None:
         raise InputError(f"{what}: {err}")
 
 
-def matmul(x: jax.Array, raw: jax.Array, qtype: int) -> jax.Array:
-    """f32[..., N] = x[..., K] @ W.T, W the GGUF blocks uint8[N, row_bytes] of type `qtype` (jittable)."""
+def matmul(x: jax.Array, raw: jax.Array, qtype: int, rows: jax.Array | int | None = None) -> jax.Array:
+    """f32[..., N] = x[..., K] @ W.T, W the GGUF blocks uint8[N, row_bytes] of type `qtype` (jittable).
+
+    rows (int32 scalar, may be traced; x 2-D): multiply only x rows [0, rows), the output rows after them
+    are +0.0 (bucket padding costs nothing). Computed rows have the same bits for any `rows`."""
     if raw.ndim != 2 or raw.dtype != jnp.uint8:
         raise InputError(f"ggml matmul: weights must be uint8[N, row_bytes], got {raw.dtype}{list(raw.shape)}")
     k = x.shape[-1]
     _check_rows(qtype, k, raw.shape[1], "ggml matmul")
     lead = x.shape[:-1]
     x2 = jnp.asarray(x, jnp.float32).reshape(-1, k)
+    if rows is not None and len(lead) != 1:
+        raise InputError(f"ggml matmul: rows= needs x [M, K], got {list(x.shape)}")
+    rows = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32)
     out = jax.ffi.ffi_call("sharpi_ggml_matmul", jax.ShapeDtypeStruct((x2.shape[0], raw.shape[0]), jnp.float32),
-                           vmap_method="sequential")(x2, raw, qtype=np.int32(int(qtype)))
+                           vmap_method="sequential")(x2, raw, rows, qtype=np.int32(int(qtype)))
     return out.reshape(*lead, raw.shape[0])
 
 

@@ -105,10 +105,15 @@ def weight_layout(backend: str, qtype: int, shape: tuple[int, ...], repack: str 
     return MatrixFormat(registry.get(backend).name, repack).layout(qtype, shape)
 
 
-def matmul(x: jax.Array, w: QTensor, *, interpret: bool | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: QTensor, *, rows: jax.Array | int | None = None, interpret: bool | None = None
+           ) -> jax.Array:
     """x float32 [M, K] @ W.T for W a QTensor [N, K] -> float32 [M, N] (jittable), by W's backend.
+    rows (int32 scalar, may be traced): only x rows [0, rows) are needed (bucket padding after them); a
+    backend may skip the rest (ggml returns +0.0 there), the needed rows' bits do not depend on it.
     interpret: run a Pallas kernel in interpret mode (default: on CPU)."""
     if x.ndim != 2 or len(w.shape) != 2 or x.shape[1] != w.cols:
         raise InputError(f"matmul: x {tuple(x.shape)} and weight {w.shape} do not contract")
     options = {} if interpret is None else {"interpret": interpret}
+    if rows is not None:
+        options["rows"] = rows
     return registry.get(w.kernels).matmul(x.astype(jnp.float32), w, **options)

@@ -50,8 +50,9 @@ class ExpertOptions:
     interpret: bool | None = None
 
 
-# An expert op: (u f32[N, D], sel int32[N, k], (gate, up, down) QTensor stacks, ExpertOptions)
-#   -> (Y f32[N, k, D] unreduced in rank order, expert reads executed int32[]).
+# An expert op: (u f32[N, D], sel int32[N, k], (gate, up, down) QTensor stacks, ExpertOptions, valid=None)
+#   -> (Y f32[N, k, D] unreduced in rank order, expert reads executed int32[]). valid (bool [N] or None):
+#   rows with valid False are bucket padding (zero weights follow); an op may skip them.
 ExpertOp = Callable[[jax.Array, jax.Array, tuple[QTensor, QTensor, QTensor], ExpertOptions],
                     tuple[jax.Array, jax.Array]]
 
@@ -88,8 +89,9 @@ class Backend:
         """The QTensor layout of a served matrix ([rows, cols]) or expert stack ([E, rows, cols])."""
         raise NotImplementedError
 
-    def matmul(self, x: jax.Array, w: QTensor) -> jax.Array:
-        """x float32 [M, K] @ W.T -> float32 [M, N], W a QTensor [N, K] in this backend's layout."""
+    def matmul(self, x: jax.Array, w: QTensor, **options) -> jax.Array:
+        """x float32 [M, K] @ W.T -> float32 [M, N], W a QTensor [N, K] in this backend's layout.
+        options["rows"] (when given): only rows [0, rows) are needed; a backend may skip the others."""
         raise NotImplementedError
 
     def expert_weight(self, w: QTensor, e: jax.Array) -> Any:

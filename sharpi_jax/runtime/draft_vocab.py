@@ -111,7 +111,7 @@ class DraftVocab:
     def greedy(self, h2: jax.Array) -> jax.Array:
         """The draft token of row 0 of a 2-row bucket h2 [2, D]: argmax over the subset's logits
         (the lowest id on ties, as the full head's argmax)."""
-        ys = [matmul(h2, p) for p in self.parts]
+        ys = [matmul(h2, p, rows=1) for p in self.parts]  # row 1 is padding
         logits = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
         return self.ids[jnp.argmax(logits[0])].astype(jnp.int32)
 

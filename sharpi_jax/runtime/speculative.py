@@ -77,7 +77,7 @@ def _mtp_fns(graphdef, treedef):
         def greedy(h):  # a 2-row bucket: the row-stable kernel; vocab: a `draft_vocab.DraftVocab`
             if vocab is not None:
                 return vocab.greedy(jnp.stack([h, h]))
-            return jnp.argmax(mtp.logits(jnp.stack([h, h]))[0]).astype(jnp.int32)
+            return jnp.argmax(mtp.logits(jnp.stack([h, h]), 1)[0]).astype(jnp.int32)
 
         h = jax.lax.dynamic_index_in_dim(hp, last, keepdims=False)
         d = greedy(h)

@@ -77,7 +77,7 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
         hidden, state, *queries = model.prefill(state, tokens, start, n_valid, gdn, with_q)
         queries = queries[0] if with_q else ()  # with_q: the attention layers' queries, flat
         last = jax.lax.dynamic_index_in_dim(hidden, jnp.maximum(n_valid - 1, 0), keepdims=True)
-        logits = model.lm_head(jnp.concatenate([last, last]))[0]  # 2 rows: the row-stable kernel
+        logits = model.lm_head(jnp.concatenate([last, last]), 1)[0]  # 2 rows (row 1 padding): row-stable
         return (hidden, logits, state, cache_out(model), *queries)
 
     def head(params, cache, hidden):

@@ -42,8 +42,8 @@ def _tree_mtp_fns(graphdef, treedef):
     def merge(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def top(mtp, hp, c):
-        logits = mtp.logits(hp)
+    def top(mtp, hp, c, rows=None):
+        logits = mtp.logits(hp, rows)
         _, idx = jax.lax.top_k(logits, c)  # idx[:, 0] is the argmax (lowest index on ties), as the chain's
         lp = jnp.take_along_axis(jax.nn.log_softmax(logits), idx, axis=1)
         return idx.astype(jnp.int32), lp
@@ -54,7 +54,7 @@ def _tree_mtp_fns(graphdef, treedef):
         hp, cache = mtp(tokens, hs, start, n_valid, cache)
         last = n_valid - 1  # the certain token's row
         h = jax.lax.dynamic_index_in_dim(hp, last, keepdims=False)
-        idx, lp = top(mtp, jnp.stack([h, h]), c)  # a 2-row bucket: the row-stable kernel
+        idx, lp = top(mtp, jnp.stack([h, h]), c, 1)  # a 2-row bucket (row 1 padding): the row-stable kernel
         h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
         rows = jnp.broadcast_to(h, (max(2, c), h.shape[0]))  # the parent rows of depth 1 (level calls)
         return idx[0], lp[0], rows, cache, h_t
@@ -63,7 +63,7 @@ def _tree_mtp_fns(graphdef, treedef):
         mtp = merge(params)
         tree = TreeRows(depth, jnp.full_like(depth, -1), slots, anc)
         hp, cache = mtp(tokens, prev_hp[pidx], base, n_valid, cache, tree)
-        idx, lp = top(mtp, hp, c)
+        idx, lp = top(mtp, hp, c, n_valid)
         return idx, lp, hp, cache
 
     return (jax.jit(root, donate_argnums=(1,), static_argnums=(7,)),

@@ -11,6 +11,7 @@ import sharpi_jax as sj
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.footprint import decode_floor_bytes, decode_read_bytes, held_bytes
 from sharpi_jax.quant import QTensor
+from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_path, load_references
 
 NAME, VARIANT = "tiny-qwen35moe", "Q8_0"
@@ -110,3 +111,19 @@ def test_bad_backend_options_are_clear_errors():
         _load(kernels="pallas", repack="int8")
     with pytest.raises(InputError, match="expert_budget"):
         _load(kernels="pallas", expert_budget="50%")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen35moe", "tiny-qwen35"])
+def test_ggml_skips_bucket_padding_rows(name):
+    """kernels="ggml": a verify bucket's padding rows (and decode's second row) are not multiplied (their
+    logits are +0.0), and the valid rows keep the bits they have when every row is valid."""
+    e = sj.load(fixture_path(name, f"{name}-Q8_0.gguf"), max_context=64, prefill_buckets=(32,), kernels="ggml")
+    rt = e.runtime
+    prompt = load_references(name)["variants"][f"{name}-Q8_0"]["tokens"][0][:10]
+    _, _, state = rt.prefill(rt.new_state(), prompt)
+    tokens = np.asarray(prompt[:5], np.int32)
+    full, full_h, _, _ = rt.verify_step(jax.tree.map(jax.numpy.copy, state), tokens, len(prompt))
+    part, part_h, _, _ = rt.verify_step(state, tokens, len(prompt), n_valid=2)
+    assert_bitwise_equal(np.asarray(part)[:2], np.asarray(full)[:2])
+    assert_bitwise_equal(np.asarray(part_h)[:2], np.asarray(full_h)[:2])
+    assert_bitwise_equal(np.asarray(part)[2:], np.zeros_like(np.asarray(full)[2:]))

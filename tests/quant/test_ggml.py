@@ -197,6 +197,20 @@ def test_rows_are_batch_independent_bitwise(qt):
         assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=1), full)
 
 
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32])
+def test_matmul_skips_padding_rows(qt):
+    """rows=r (traced): rows [0, r) keep their bits, the padding rows after them are +0.0 (not computed)."""
+    raw = _blocks(qt, rows=40)
+    x = _x(6, _cols(raw, qt), seed=4)
+    full = np.asarray(_jit_matmul(qt)(x, raw))
+    run = jax.jit(lambda x, raw, r: ggml.matmul(x, raw, qt, rows=r))
+    for r in (0, 1, 4, 6, 9):
+        y = np.asarray(run(x, raw, np.int32(r)))
+        m = min(r, 6)
+        assert_bitwise_equal(y[:m], full[:m])
+        assert_bitwise_equal(y[m:], np.zeros_like(full[m:]))
+
+
 def test_matmul_leading_axes_and_mmap_views():
     """x [..., K] keeps its leading axes; host_matmul takes the read-only mmap view of a GGUF as is."""
     path, name = _fixture_tensors().get(Q.Q6_K, (None, None))
@@ -295,6 +309,26 @@ def test_expert_rows_grouped_per_token_host_composition_bitwise(case):
     # Row stability: each token alone gives its rows' bits.
     for i in (0, n - 1):
         assert_bitwise_equal(np.asarray(run(x[i:i + 1], ids[i:i + 1], "grouped"))[0], grouped[i])
+
+
+def test_backend_grouped_op_skips_padding_rows():
+    """The ggml backend's grouped op with valid=: valid rows keep their bits, padding rows are +0.0."""
+    from sharpi_jax.quant import MatrixFormat, registry
+
+    qtypes = EXPERT_CASES[next(iter(EXPERT_CASES))]
+    stacks = _experts(qtypes)
+    x = _x(5, stacks[0].shape[1] and stacks[2].shape[1], seed=6)
+    ids = _ids(5, 3, stacks[0].shape[0], seed=2)
+    full = ggml.host_expert_rows(x, ids, *stacks, qtypes)
+    fmt = MatrixFormat("ggml", None)
+    qts = tuple(fmt.pack(r, qt, r.shape[:2] + (_cols(r[0], qt),)) for r, qt in zip(stacks, qtypes))
+    valid = np.array([True, False, True, True, False])
+    y, loads = jax.jit(lambda x, ids, v: registry.get("ggml").expert_rows(
+        x, ids, qts, registry.ExpertOptions(), valid=v))(x, ids, valid)
+    y = np.asarray(y)
+    assert_bitwise_equal(y[valid], full[valid])
+    assert_bitwise_equal(y[~valid], np.zeros_like(full[~valid]))
+    assert int(loads) == len(set(ids[valid].ravel()))
 
 
 def test_expert_rows_on_fixture_experts_near_float_reference():

@@ -47,7 +47,7 @@ class FakeBackend(quant.Backend):
         self.calls["matmul"] += 1
         return quant.reference_matmul(x, w)
 
-    def _expert_rows(self, u, sel, experts, opts):
+    def _expert_rows(self, u, sel, experts, opts, valid=None):
         """Y[i, j] = expert_{sel[i, j]}(u[i]) from the whole dequantized stacks (one read per pair)."""
         self.calls["expert_rows"] += 1
         g, up, d = (m.dequantize() for m in experts)

@@ -60,15 +60,18 @@ class GgmlBackend(Backend):
         return "blocks"
 
     def matmul(self, x: jax.Array, w: QTensor, **options) -> jax.Array:
-        return ggml.matmul(x, _raw(w), w.qtype)
+        return ggml.matmul(x, _raw(w), w.qtype, rows=options.get("rows"))
 
     def expert_rows(self, u: jax.Array, sel: jax.Array, experts: tuple[QTensor, QTensor, QTensor],
-                    opts: ExpertOptions) -> tuple[jax.Array, jax.Array]:
+                    opts: ExpertOptions, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         gate, up, down = experts
         n_expert = gate.shape[0]
-        # Ids outside [0, E) (another device's experts under expert parallelism) are not computed:
-        # the op returns +0.0 rows for them.
-        ids = jnp.where((sel >= 0) & (sel < n_expert), sel, -1).astype(jnp.int32)
+        # Ids outside [0, E) (another device's experts under expert parallelism) and bucket padding rows
+        # (valid False) are not computed: the op returns +0.0 rows for them.
+        keep = (sel >= 0) & (sel < n_expert)
+        if valid is not None:
+            keep &= valid[:, None]
+        ids = jnp.where(keep, sel, -1).astype(jnp.int32)
         y = ggml.expert_rows(u, ids, _raw(gate), _raw(up), _raw(down), _qtypes(experts), "grouped")
         used = jnp.zeros((n_expert + 1,), jnp.bool_).at[jnp.where(ids < 0, n_expert, ids).reshape(-1)].set(True)
         return y, used[:n_expert].sum(dtype=jnp.int32)

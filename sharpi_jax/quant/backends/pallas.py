@@ -76,9 +76,10 @@ def kernel_matmul(x: jax.Array, w: QTensor, interpret: bool | None = None) -> ja
 
 
 def grouped_expert_rows(u: jax.Array, sel: jax.Array, experts: tuple[QTensor, QTensor, QTensor],
-                        opts: ExpertOptions) -> tuple[jax.Array, jax.Array]:
+                        opts: ExpertOptions, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Y [N, k, D] unreduced and the expert reads executed: each used row tile reads its expert's three
-    matrices once (one read per unique expert while no bucket exceeds block_m rows)."""
+    matrices once (one read per unique expert while no bucket exceeds block_m rows). valid: not used
+    (padding rows carry row 0's experts, so they add no reads)."""
     gate, up, down = experts
     n, k = sel.shape
     d = u.shape[1]
