@@ -16,6 +16,7 @@ from gguf import quants as gq
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import quant_blocks as qb
 from tests.bitwise import assert_bitwise_equal
+from tests.pallas_kernels.harness import run_kernel
 
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_k": gguf.GGMLQuantizationType.Q4_K}
 
@@ -101,18 +102,7 @@ def test_group_layout_properties(block_m):
 
 def _run_kernel(rng, qtype, ids, n_groups, n_out, k, block_m=16, block_n=32, block_k=64):
     raw, _ = _weights(rng, qtype, (n_groups, n_out, k))
-    packed = qb.pack(jnp.asarray(raw), qtype, k)
-    w = gm.dense_weights(packed, qtype)
-    ids = jnp.asarray(ids, jnp.int32)
-    lay = gm.group_layout(ids, n_groups, block_m)
-    x = jnp.asarray(rng.standard_normal((ids.shape[0], k), dtype=np.float32))
-    xp = gm.scatter_rows(x, lay)
-    y = gm.grouped_matmul(xp, packed, lay.tile_group, qtype=qtype, block_m=block_m, block_n=block_n,
-                          block_k=block_k, interpret=True)
-    bk = 32 if qtype in qb.QUANTIZED else block_k
-    ref = jax.jit(gm.grouped_matmul_reference, static_argnames=("block_m", "block_k", "block_n"))(
-        xp, w, lay.tile_group, block_m=block_m, block_k=bk, block_n=block_n)
-    return np.asarray(y), np.asarray(ref), lay, x, w
+    return run_kernel(rng, qtype, raw, k, ids, block_m, block_n, block_k)
 
 
 @pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_k"])

@@ -22,6 +22,7 @@ from pallas_kernels import KERNEL_TYPES
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import quant_blocks as qb
 from tests.bitwise import assert_bitwise_equal
+from tests.pallas_kernels.harness import run_kernel
 from tests.conftest import fixture_path
 
 KQUANTS = ("q4_k", "q5_k", "q6_k")
@@ -44,17 +45,8 @@ def _run(rng, qtype, ids, n_groups, n_out, k, block_m=16, block_n=32, raw=None):
     """Kernel (interpret mode) and its bitwise reference on rows `ids` of `n_groups` groups."""
     if raw is None:
         raw = qb.random_blocks(rng, (n_groups, n_out, k), qtype)
-    packed = qb.pack(jnp.asarray(raw), qtype, k)
-    w = gm.dense_weights(packed, qtype)
     ids = jnp.asarray(ids, jnp.int32)
-    lay = gm.group_layout(ids, n_groups, block_m)
-    x = jnp.asarray(rng.standard_normal((ids.shape[0], k), dtype=np.float32))
-    xp = gm.scatter_rows(x, lay)
-    y = gm.grouped_matmul(xp, packed, lay.tile_group, qtype=qtype, block_m=block_m, block_n=block_n,
-                          interpret=True)
-    ref = jax.jit(gm.grouped_matmul_reference, static_argnames=("block_m", "block_k", "block_n"))(
-        xp, w, lay.tile_group, block_m=block_m, block_k=32, block_n=block_n)
-    y, ref = np.asarray(y), np.asarray(ref)
+    y, ref, lay, x, w = run_kernel(rng, qtype, raw, k, ids, block_m, block_n)
     assert not np.isnan(y).any(), "kernel left unwritten outputs"
     assert_bitwise_equal(y, ref)
     order = np.argsort(np.asarray(ids), kind="stable")

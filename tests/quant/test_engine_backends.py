@@ -13,6 +13,7 @@ from sharpi_jax.model.footprint import decode_floor_bytes, decode_read_bytes, he
 from sharpi_jax.quant import QTensor
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_path, load_references
+from tests.cuda_lowering import decode_step_cuda_text
 
 NAME, VARIANT = "tiny-qwen35moe", "Q8_0"
 
@@ -87,18 +88,7 @@ def test_pallas_backend_runs_the_kernels_and_matches_the_reference():
 def test_pallas_decode_step_lowers_for_triton(monkeypatch):
     """The whole jitted decode step of kernels='pallas' lowers for CUDA with Triton kernels (what a GPU
     runs); tracing as if on a GPU switches the kernels out of interpret mode."""
-    e = _load(kernels="pallas")
-    rt = e.runtime
-    state = rt.new_state()
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    try:
-        lowered = rt._fns.decode.trace(rt.params, rt.cache, state, np.int32(1), np.int32(0)).lower(
-            lowering_platforms=("cuda",))
-    except Exception as err:  # pragma: no cover - depends on the jaxlib build
-        if "cuda" in str(err).lower() and "platform" in str(err).lower():
-            pytest.skip(f"this jaxlib cannot lower for CUDA without a GPU: {err}")
-        raise
-    text = lowered.as_text()
+    text = decode_step_cuda_text(_load(kernels="pallas"), monkeypatch)
     assert "__gpu$xla.gpu.triton" in text and "grouped_matmul_q8_0" in text and "weighted_reduce" in text
 
 

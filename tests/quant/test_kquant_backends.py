@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 import numpy as np
 import pytest
 
@@ -22,6 +21,7 @@ from sharpi_jax.model.footprint import backend_summary, matrix_backends
 from sharpi_jax.quant import MatrixFormat, ggml
 from sharpi_jax.testing import write_synthetic_gguf
 from tests.conftest import fixture_path
+from tests.cuda_lowering import decode_step_cuda_text
 
 MIX = (("output.weight", "Q6_K"), ("attn_v", "Q6_K"), ("ffn_down_exps", "Q6_K"), ("ssm_out", "Q5_K"),
        ("ffn_up_shexp", "Q5_K"), ("ssm_alpha", "Q8_0"), ("ssm_beta", "Q8_0"))
@@ -80,16 +80,7 @@ def test_no_fallback_left_and_the_decode_step_lowers_for_cuda(mix_path, monkeypa
     assert backend_summary(e.matrix_backends) == {"pallas": len(e.matrix_backends)}
     assert all(v["why"] is None for v in e.matrix_backends.values())
     assert any(k.endswith("experts.down") and v["type"] == "Q6_K" for k, v in e.matrix_backends.items())
-    rt = e.runtime
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    try:
-        lowered = rt._fns.decode.trace(rt.params, rt.cache, rt.new_state(), np.int32(1), np.int32(0)).lower(
-            lowering_platforms=("cuda",))
-    except Exception as err:  # pragma: no cover - depends on the jaxlib build
-        if "cuda" in str(err).lower() and "platform" in str(err).lower():
-            pytest.skip(f"this jaxlib cannot lower for CUDA without a GPU: {err}")
-        raise
-    text = lowered.as_text()
+    text = decode_step_cuda_text(e, monkeypatch)
     assert "__gpu$xla.gpu.triton" in text
     for t in ("q4_k", "q5_k", "q6_k", "q8_0", "f32"):
         assert f"grouped_matmul_{t}" in text, t
