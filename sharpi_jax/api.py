@@ -252,10 +252,12 @@ class Engine:
         """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
         return expert_residency.calibrate(self, prompts, save)
 
-    def calibrate_draft_vocab(self, prompts: Sequence[Any], save: bool | str = True) -> dict[int, int]:
-        """Token counts over prompts (their ids and the model's greedy predictions), saved beside the file
-        (or in $SHARPI_CACHE) as the ranking of generate(draft_vocab=N) (`runtime.draft_vocab`)."""
-        counts = draft_vocab.calibrate(self, prompts, save)
+    def calibrate_draft_vocab(self, prompts: Sequence[Any], save: bool | str = True,
+                              generate_tokens: int = 64) -> dict[int, int]:
+        """Counts of the model's own greedy outputs on prompts (teacher-forced predictions and up to
+        generate_tokens of continuation each), saved beside the file (or in $SHARPI_CACHE) as the ranking
+        of generate(draft_vocab=N) (`runtime.draft_vocab`)."""
+        counts = draft_vocab.calibrate(self, prompts, save, generate_tokens)
         if self._mtp is not None:
             self._mtp.forget_draft_vocabs()
         return counts
