@@ -30,7 +30,7 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime import draft_vocab
-from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device
+from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, generate_tree_device
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
@@ -339,6 +339,9 @@ class Engine:
             tokens, stats = generate_mtp_device(rt, self.mtp, ids, n, sampling, stop_ids, k, kv=kv, vocab=vocab)
         elif opts.speculative == "mtp":
             tokens, stats = generate_mtp(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.verify, kv=kv, vocab=vocab)
+        elif opts.speculative == "mtp_tree" and opts.device_loop:
+            tokens, stats = generate_tree_device(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes,
+                                                 max_snapshot_bytes=opts.max_snapshot_bytes)
         elif opts.speculative == "mtp_tree":
             tokens, stats = generate_tree(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes, opts.verify,
                                           max_snapshot_bytes=opts.max_snapshot_bytes)

@@ -73,7 +73,7 @@ def _tree_mtp_fns(graphdef, treedef):
 @dataclasses.dataclass
 class DraftTree:
     """A drafted tree in row order: tokens [n] (row 0 = the certain token), parent [n] (-1 for row 0),
-    depth [n], score [n] (cumulative draft log-prob), chain [n] (on the greedy chain)."""
+    depth [n], score [n] (cumulative draft log-prob, summed in float32), chain [n] (on the greedy chain)."""
 
     tokens: np.ndarray
     parent: np.ndarray
@@ -150,7 +150,7 @@ class TreeDrafter:
             for b, i in enumerate(beam):
                 for j in range(self.c):
                     tok.append(int(idx[b, j])), par.append(i), dep.append(d + 1)
-                    score.append(score[i] + float(lp[b, j]))
+                    score.append(float(np.float32(score[i]) + lp[b, j]))  # float32 sums, as `tree_device`
                     chain.append(chain[i] and j == 0)
         return self._select(tok, par, dep, score, chain, n_nodes), cache, h_t
 
