@@ -284,7 +284,7 @@ def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]
     for r in range(FLAGS.repeats + 1):
         for i, vocab in enumerate(heads):
             t0 = time.perf_counter()
-            out, cache, _ = mtp.draft(cache, toks, dec._h_prev, hidden, len(ids) - 1, 1, 1, vocab)
+            out, cache, _ = mtp.draft(cache, toks, dec.h_prev, hidden, len(ids) - 1, 1, 1, vocab)
             out.block_until_ready()
             if r:  # round 0 compiles
                 times[i].append(1e3 * (time.perf_counter() - t0))

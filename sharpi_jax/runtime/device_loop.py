@@ -101,7 +101,7 @@ def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens:
     if max_new_tokens <= 0:
         tokens, stop = [], "max_new_tokens"
     else:
-        fn = _plain_fn(runtime._fns.decode)
+        fn = _plain_fn(runtime.steps.decode)
         out, n, code, end, runtime.cache = fn(
             runtime.params, runtime.cache, state, logits, np.int32(pos), np.int32(max_new_tokens),
             np.int32(runtime.max_context), _eos_array(stop_ids), traced_params(sampling),
@@ -198,10 +198,10 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         # slot_room - P = the drafts a compacted cache's slots still hold (capacity - 1 - slot(P)).
         ev = dec.evicted
         slot_room = runtime.max_context if ev is None else ev.capacity - 1 + ev.shift
-        fn = _chain_fn(runtime._fns.commit_verify, mtp._draft)
+        fn = _chain_fn(runtime.steps.commit_verify, mtp.draft_fn)
         out, n, code, end, counts, runtime.cache = fn(
-            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec._h_prev, np.int32(P),
-            np.int32(dec._mtp_off), np.int32(dec.k), np.int32(max_new_tokens),
+            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
+            np.int32(dec.mtp_offset), np.int32(dec.k), np.int32(max_new_tokens),
             np.int32(runtime.max_context), np.int32(slot_room), _eos_array(stop_ids), traced_params(sampling),
             np.zeros(out_slots(max_new_tokens, K), np.int32), vocab, K=K, greedy=sampling.greedy)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
@@ -303,9 +303,9 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
     if max_new_tokens <= 0:
         tokens, stop = [], "max_new_tokens"
     else:
-        fn = _tree_fn(runtime._fns.tree_commit_verify, dec.drafter._root, dec.drafter._level)
+        fn = _tree_fn(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level)
         out, n, code, end, counts, runtime.cache = fn(
-            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec._h_prev, np.int32(P),
+            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(max_new_tokens), np.int32(runtime.max_context), _eos_array(stop_ids), traced_params(sampling),
             np.zeros(out_slots(max_new_tokens, dec.n_nodes), np.int32), K=dec.k, N=dec.n_nodes, c=dec.drafter.c,
             greedy=sampling.greedy)

@@ -5,9 +5,9 @@ their own QTensor rows, `DraftVocab`), its argmax mapped back to a token id. Ver
 the full head, so the output is unchanged; only the acceptance can drop.
 
 Ranking: token ids by calibrated frequency (`calibrate`: the target's own greedy outputs on the prompts,
-teacher-forced predictions and continuations: what the drafts must match), saved beside the model as `<model>.gguf.draft-vocab.json` (or in
-$SHARPI_CACHE, default ~/.cache/sharpi-jax, when its directory is read-only) and found there
-automatically; ids never seen follow in id order. Fallback when nothing is saved: token id order, which
+teacher-forced predictions and continuations: what the drafts must match), saved beside the model as
+`<model>.gguf.draft-vocab.json` (or in $SHARPI_CACHE, default ~/.cache/sharpi-jax, when its directory
+is read-only) and found there automatically; ids never seen follow in id order. Fallback when nothing is saved: token id order, which
 for a byte-level BPE vocabulary is the merge order (earlier merges are the more frequent pairs).
 """
 
