@@ -301,12 +301,12 @@ class Engine:
         take the engine's, else kv_window 32 and kv_pool 7. out.stats adds kv_slots (KV slots in use at
         the end), kv_evicted (prompt positions dropped per attention layer and KV head), kv_capacity.
 
-        loop="device": after the prefill, the whole decode loop (MTP off, or the MTP chain with batched
-        verify: draft, verify, accept, rollback, stop) runs as one jitted program on the device
+        loop="device": after the prefill, the whole decode loop (MTP off, or the MTP chain or tree with
+        batched verify: draft, verify, accept, rollback, stop) runs as one jitted program on the device
         (`sharpi_jax.runtime.device_loop`); "host": one jitted call per step or pass driven from Python,
-        the sequential reference (same tokens bit for bit). verify="sequential" and speculative="mtp_tree"
-        run the host loop either way. out.stats["loop"] names the loop that ran; the device loop reports
-        no draft_s / verify_s split.
+        the sequential reference (same tokens and pass stats bit for bit). verify="sequential" runs the
+        host loop either way. out.stats["loop"] names the loop that ran; the device loop reports no
+        draft_s / verify_s split.
 
         draft_vocab=N (speculative="mtp"): the MTP head drafts over the N best-ranked token ids only (the
         ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
