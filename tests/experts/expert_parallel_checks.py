@@ -55,7 +55,7 @@ def check_file(path: str, n: int, prompt: str, new_tokens: int, generate: bool) 
         tree = par.generate(ids, **gen, speculative="mtp_tree", draft_tokens=MTP_DRAFTS, tree_nodes=TREE_NODES)
         out["tree_parallel"], out["tree_accepted"] = tree.tokens, tree.stats["accepted"]
         # SnapKV: a prompt longer than the budget, evicted at prefill; the chain decodes the compacted cache.
-        long_ids = one.tokenizer.encode(prompt * 4)
+        long_ids = one.tokenizer.encode(prompt * 3)
         kv = dict(kv_policy="snapkv", kv_budget=KV_BUDGET, kv_window=4, speculative="mtp", draft_tokens=MTP_DRAFTS)
         snap_one = one.generate(long_ids, **gen, **kv)
         snap_par = par.generate(long_ids, **gen, **kv)

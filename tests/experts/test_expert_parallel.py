@@ -152,7 +152,7 @@ def _check_generation(r: dict) -> None:
     assert r["mtp_draft_tokens"] == 3 and r["mtp_accepted"] > 0
     assert r["mtp_logits_bitwise"]
     assert r["tree_parallel"] == r["greedy_one"] and r["tree_accepted"] > 0
-    assert r["snapkv_parallel"] == r["snapkv_one"] and len(r["snapkv_one"]) >= 32 and r["snapkv_evicted"] > 0
+    assert r["snapkv_parallel"] == r["snapkv_one"] and len(r["snapkv_one"]) >= 16 and r["snapkv_evicted"] > 0
 
 
 def test_compiled_collectives_are_one_psum_of_4kd_bytes_per_token_per_moe_layer(results):
