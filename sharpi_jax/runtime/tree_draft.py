@@ -106,7 +106,7 @@ class TreeDrafter:
         as `MTPRuntime.draft`), then a tree of at most n_nodes drafts and depth `depth` (0: the root only).
         Returns (tree, cache, the h paired with the certain token)."""
         idx, lp, root_h, cache, h_t = self.root(self.mtp.params, cache, np.asarray(tokens, np.int32), h_prev,
-                                                  hidden, np.int32(start), np.int32(n_valid), self.c)
+                                                 hidden, np.int32(start), np.int32(n_valid), self.c)
         R = start + n_valid - 1  # the certain token's MTP position
         # candidate nodes: (token, parent node, depth, score, chain, MTP slot when expanded)
         tok, par, dep, score, chain = [int(tokens[n_valid - 1])], [-1], [0], [0.0], [True]
@@ -144,7 +144,7 @@ class TreeDrafter:
                     j = par[j]
                 anc[b, :d] = path[::-1]
             idx, lp, prev_hp, cache = self.level(self.mtp.params, cache, btok, prev_hp, pidx, np.int32(base),
-                                                  np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c)
+                                                 np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c)
             idx, lp = np.asarray(idx), np.asarray(lp)
             prev_row = {i: b for b, i in enumerate(beam)}
             for b, i in enumerate(beam):

@@ -6,8 +6,9 @@
 
 Every file: logits bitwise and the bytes each device holds; the files in --generate also: greedy and
 MTP (batched verify, MTP_DRAFTS drafts; chain and tree, and the chain over a SnapKV-evicted cache next to
-one device's) tokens over --new_tokens tokens (EOS ignored) and teacher-forced MTP logits (each file compiles its own graphs: these checks cost ~4x the logits check). --hlo=FILE:
-the collectives of the compiled expert-parallel MoE layer and trunk pass.
+one device's) tokens over --new_tokens tokens (EOS ignored) and teacher-forced MTP logits (each file
+compiles its own graphs: these checks cost ~4x the logits check). --hlo=FILE: the collectives of the
+compiled expert-parallel MoE layer and trunk pass.
 """
 
 from __future__ import annotations
