@@ -1,6 +1,6 @@
 """MTP speculative decoding throughput: MTP off vs sequential verify vs batched verify, k = 1..7, each
 batched one on the host loop and on the device loop (`sharpi_jax.runtime.device_loop`), and tree
-speculation (batched, --tree_nodes per k, host loop) beside the chain.
+speculation (batched, --tree_nodes per k, host and device loop) beside the chain.
 
     python -m experiments.bench_verify [--model=PRESET_OR_GGUF] [--new_tokens=128] [--repeats=3]
                                        [--ks=1,2,3,4,5,6,7] [--tree_nodes=8,16] [--json_out=results/bench_verify.jsonl]
@@ -133,14 +133,15 @@ def main(argv) -> int:
           f"{n} new tokens, greedy; warm-up, then median [min-max] of {FLAGS.repeats} interleaved rounds", flush=True)
 
     # MTP off and the batched chain on both loops (device: one jitted program per run; host: one call per
-    # step / pass, the sequential reference); sequential verify and trees run the host loop.
+    # step / pass, the sequential reference); sequential verify runs the host loop; trees both loops.
     configs = [dict(loop="host"), dict(loop="device")]
     for k in ks:
         configs += [dict(speculative="mtp", draft_tokens=k, verify="sequential", loop="host"),
                     dict(speculative="mtp", draft_tokens=k, verify="batched", loop="host"),
                     dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device")]
     trees = [(k, m) for k in ks for m in nodes if m >= k]
-    configs += [dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m, verify="batched") for k, m in trees]
+    configs += [dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m, verify="batched", loop=loop)
+                for k, m in trees for loop in ("host", "device")]
     dv_first = len(configs)
     configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_vocab=v)
                 for k in ks for v in vocabs]
@@ -227,30 +228,39 @@ def _write(records: list[dict], n: int) -> None:
 
 
 def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
-    """Tree rows beside the chain's batched row of the same k (records appended)."""
-    off, base = med[0], results[0][0]
+    """Tree rows (host and device loop) beside the chain's batched rows of the same k (records appended)."""
+    off_dev, base = med[1], results[0][0]
     first = 2 + 3 * len(ks)
-    print(f"\n{'k':>2} {'nodes':>5} {'tree tok/s [min-max]':>23} {'tree/chain':>10} {'tree/off':>8} "
-          f"{'tok/pass':>8} {'chain tok/pass':>14} {'draft_s':>8} {'verify_s':>8}  same tokens")
+    print(f"\n{'k':>2} {'nodes':>5} {'host tok/s':>10} {'device tok/s [min-max]':>24} {'dev/host':>8} "
+          f"{'tree/chain':>10} {'tree/off':>8} {'tok/pass':>8} {'chain tok/pass':>14} {'draft_s':>8} {'verify_s':>8}"
+          f"  same tokens")
     for j, (k, m) in enumerate(trees):
-        i = first + j
-        outs, s = results[i], results[i][0].stats
-        chain_i = 2 + 3 * ks.index(k) + 1  # the host-loop batched chain (the tree runs the host loop)
+        ih, idev = first + 2 * j, first + 2 * j + 1
+        chain_i = 2 + 3 * ks.index(k) + 2  # the device-loop batched chain
         chain = results[chain_i][0].stats
-        same = all(o.tokens == base.tokens for o in outs)
-        rec = {"model": path.stem, "speculative": "mtp_tree", "draft_tokens": k, "tree_nodes": m, "verify": "batched",
-               "same_tokens_as_off": same, "repeats": FLAGS.repeats, "chain_mean_accept_len": chain["mean_accept_len"],
-               **{key: s[key] for key in ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted",
-                                          "accepted", "verify_passes", "generated_tokens", "snapshot_bytes_per_node")}}
-        put_spread(rec, "decode_tok_s", tok_s[i])
-        for key in ("draft_s", "verify_s"):
-            put_spread(rec, key, [o.stats[key] for o in outs], runs=False)
-        records.append(rec)
-        print(f"{k:>2} {m:>5} {fmt_spread(tok_s[i], 23)} {med[i] / med[chain_i]:>10.2f} {med[i] / off:>8.2f} "
-              f"{s['mean_accept_len']:>8.2f} {chain['mean_accept_len']:>14.2f} {rec['draft_s']:>8.3f} "
-              f"{rec['verify_s']:>8.3f}  {'yes' if same else 'NO'}")
-    print("tree rows: batched tree verify with `nodes` draft nodes of depth <= k; tree/chain: over the chain's "
-          "batched verify at the same k; tok/pass: accepted + 1 per trunk pass.")
+        same = all(o.tokens == base.tokens for o in results[ih] + results[idev])
+        for i in (ih, idev):
+            s = results[i][0].stats
+            rec = {"model": path.stem, "speculative": "mtp_tree", "draft_tokens": k, "tree_nodes": m,
+                   "verify": "batched", "loop": s["loop"], "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+                   "chain_mean_accept_len": chain["mean_accept_len"],
+                   **{key: s[key] for key in ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted",
+                                              "accepted", "verify_passes", "generated_tokens",
+                                              "snapshot_bytes_per_node")}}
+            put_spread(rec, "decode_tok_s", tok_s[i])
+            if i == ih:  # one device program has no draft / verify split
+                for key in ("draft_s", "verify_s"):
+                    put_spread(rec, key, [o.stats[key] for o in results[i]], runs=False)
+                host_rec = rec
+            records.append(rec)
+        s = results[idev][0].stats
+        print(f"{k:>2} {m:>5} {med[ih]:>10.1f} {fmt_spread(tok_s[idev], 24)} {med[idev] / med[ih]:>8.2f} "
+              f"{med[idev] / med[chain_i]:>10.2f} {med[idev] / off_dev:>8.2f} {s['mean_accept_len']:>8.2f} "
+              f"{chain['mean_accept_len']:>14.2f} {host_rec['draft_s']:>8.3f} {host_rec['verify_s']:>8.3f}  "
+              f"{'yes' if same else 'NO'}")
+    print("tree rows: batched tree verify with `nodes` draft nodes of depth <= k; tree/chain and tree/off: the "
+          "device loop over the device-loop chain at the same k and MTP off; tok/pass: accepted + 1 per trunk "
+          "pass; draft_s / verify_s: of the host-loop run.")
 
 
 def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]:
@@ -274,7 +284,7 @@ def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]
     for r in range(FLAGS.repeats + 1):
         for i, vocab in enumerate(heads):
             t0 = time.perf_counter()
-            out, cache, _ = mtp.draft(cache, toks, dec._h_prev, hidden, len(ids) - 1, 1, 1, vocab)
+            out, cache, _ = mtp.draft(cache, toks, dec.h_prev, hidden, len(ids) - 1, 1, 1, vocab)
             out.block_until_ready()
             if r:  # round 0 compiles
                 times[i].append(1e3 * (time.perf_counter() - t0))

@@ -30,7 +30,7 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime import draft_vocab
-from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device
+from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, generate_tree_device
 from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
 from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
@@ -252,10 +252,12 @@ class Engine:
         """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
         return expert_residency.calibrate(self, prompts, save)
 
-    def calibrate_draft_vocab(self, prompts: Sequence[Any], save: bool | str = True) -> dict[int, int]:
-        """Token counts over prompts (their ids and the model's greedy predictions), saved beside the file
-        (or in $SHARPI_CACHE) as the ranking of generate(draft_vocab=N) (`runtime.draft_vocab`)."""
-        counts = draft_vocab.calibrate(self, prompts, save)
+    def calibrate_draft_vocab(self, prompts: Sequence[Any], save: bool | str = True,
+                              generate_tokens: int = 64) -> dict[int, int]:
+        """Counts of the model's own greedy outputs on prompts (teacher-forced predictions and up to
+        generate_tokens of continuation each), saved beside the file (or in $SHARPI_CACHE) as the ranking
+        of generate(draft_vocab=N) (`runtime.draft_vocab`)."""
+        counts = draft_vocab.calibrate(self, prompts, save, generate_tokens)
         if self._mtp is not None:
             self._mtp.forget_draft_vocabs()
         return counts
@@ -299,12 +301,12 @@ class Engine:
         take the engine's, else kv_window 32 and kv_pool 7. out.stats adds kv_slots (KV slots in use at
         the end), kv_evicted (prompt positions dropped per attention layer and KV head), kv_capacity.
 
-        loop="device": after the prefill, the whole decode loop (MTP off, or the MTP chain with batched
-        verify: draft, verify, accept, rollback, stop) runs as one jitted program on the device
+        loop="device": after the prefill, the whole decode loop (MTP off, or the MTP chain or tree with
+        batched verify: draft, verify, accept, rollback, stop) runs as one jitted program on the device
         (`sharpi_jax.runtime.device_loop`); "host": one jitted call per step or pass driven from Python,
-        the sequential reference (same tokens bit for bit). verify="sequential" and speculative="mtp_tree"
-        run the host loop either way. out.stats["loop"] names the loop that ran; the device loop reports
-        no draft_s / verify_s split.
+        the sequential reference (same tokens and pass stats bit for bit). verify="sequential" runs the
+        host loop either way. out.stats["loop"] names the loop that ran; the device loop reports no
+        draft_s / verify_s split.
 
         draft_vocab=N (speculative="mtp"): the MTP head drafts over the N best-ranked token ids only (the
         ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
@@ -337,6 +339,9 @@ class Engine:
             tokens, stats = generate_mtp_device(rt, self.mtp, ids, n, sampling, stop_ids, k, kv=kv, vocab=vocab)
         elif opts.speculative == "mtp":
             tokens, stats = generate_mtp(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.verify, kv=kv, vocab=vocab)
+        elif opts.speculative == "mtp_tree" and opts.device_loop:
+            tokens, stats = generate_tree_device(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes,
+                                                 max_snapshot_bytes=opts.max_snapshot_bytes)
         elif opts.speculative == "mtp_tree":
             tokens, stats = generate_tree(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes, opts.verify,
                                           max_snapshot_bytes=opts.max_snapshot_bytes)

@@ -25,13 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharpi_jax.model.snapkv import SnapKV
-from sharpi_jax.runtime import kv_eviction
+from sharpi_jax.runtime import kv_eviction, tree_device
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, argmax, draw, traced_params
 from sharpi_jax.runtime.speculative import MTPDecoder, MTPRuntime, pass_stats_from_counts
 from sharpi_jax.runtime.state import repeat_as_snapshots
 from sharpi_jax.runtime.steps import Runtime
+from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node, tree_pass_stats
 
 STOP_REASONS = (None, "eos", "max_new_tokens", "max_context")  # index = the loop's stop code
 
@@ -100,7 +101,7 @@ def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens:
     if max_new_tokens <= 0:
         tokens, stop = [], "max_new_tokens"
     else:
-        fn = _plain_fn(runtime._fns.decode)
+        fn = _plain_fn(runtime.steps.decode)
         out, n, code, end, runtime.cache = fn(
             runtime.params, runtime.cache, state, logits, np.int32(pos), np.int32(max_new_tokens),
             np.int32(runtime.max_context), _eos_array(stop_ids), traced_params(sampling),
@@ -197,10 +198,10 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         # slot_room - P = the drafts a compacted cache's slots still hold (capacity - 1 - slot(P)).
         ev = dec.evicted
         slot_room = runtime.max_context if ev is None else ev.capacity - 1 + ev.shift
-        fn = _chain_fn(runtime._fns.commit_verify, mtp._draft)
+        fn = _chain_fn(runtime.steps.commit_verify, mtp.draft_fn)
         out, n, code, end, counts, runtime.cache = fn(
-            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec._h_prev, np.int32(P),
-            np.int32(dec._mtp_off), np.int32(dec.k), np.int32(max_new_tokens),
+            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
+            np.int32(dec.mtp_offset), np.int32(dec.k), np.int32(max_new_tokens),
             np.int32(runtime.max_context), np.int32(slot_room), _eos_array(stop_ids), traced_params(sampling),
             np.zeros(out_slots(max_new_tokens, K), np.int32), vocab, K=K, greedy=sampling.greedy)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
@@ -218,3 +219,109 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
     }
     return tokens, stats
 
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_fn(tree_commit_verify, root, level):
+    """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls."""
+
+    def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, eos, sampling,
+            out, K, N, c, greedy):
+        pick = _picker(greedy, sampling)
+        T, D, S = N + 1, h_last.shape[0], mtp_cache.k.shape[1]
+        tok = pick(logits, jnp.int32(0))
+        stop = _stop_code(tok, eos, 1, max_new)
+        stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
+        zi = jnp.int32(0)
+        rec = jnp.zeros((out.shape[0],), jnp.int32)  # per pass: nodes, depth, accepted
+        carry = dict(
+            cache=cache, state=state, mtp_cache=mtp_cache, snaps=repeat_as_snapshots(state, T), node=zi,
+            prev=zi, path=jnp.zeros((T,), jnp.int32), n_path=zi,  # commit of the previous pass (none yet)
+            vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
+            hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
+            stop=stop, passes=zi, nodes=rec, depth=rec, acc=rec)
+        rows = jnp.arange(T, dtype=jnp.int32)
+        krows = jnp.arange(K + 1, dtype=jnp.int32)
+
+        def body(c_):
+            P = c_["P"]
+            n_nodes = jnp.minimum(N, max_context - 1 - P)
+            depth = jnp.minimum(K, n_nodes)
+            toks = jnp.concatenate([jnp.where(krows < c_["n_pend"], c_["vt"], 0), jnp.zeros((1,), jnp.int32)])
+            toks = toks.at[c_["n_pend"]].set(c_["t"])
+            tt, tp, _, n, mtp_cache, h_t = tree_device.draft_tree(
+                root, level, mtp_params, c_["mtp_cache"], toks, c_["h_prev"], c_["hidden"], c_["pend_start"] - 1,
+                c_["n_pend"] + 1, depth, n_nodes, K=K, N=N, c=c, S=S)
+            tdepth, tparent, anc = tree_device.tree_arrays(tp, n)
+            logits, greedy_rows, hidden, state, snaps, cache = tree_commit_verify(
+                params, c_["cache"], c_["state"], c_["snaps"], c_["node"], c_["prev"], c_["path"], c_["n_path"], tt,
+                P, n, tdepth, tparent, anc)
+            if greedy:
+                target = greedy_rows
+            else:
+                index = c_["n_out"] - 1  # generated index of t
+                target = jnp.stack([pick(logits[r], index + tdepth[r] + 1) for r in range(T)])
+            path, a, last = tree_device.accept_path(tt, tparent, n, target, K)
+            emit = target[path]  # row r <= a: the target's token at the path's node r
+            n_out = c_["n_out"]
+            emitted = rows <= a
+            is_eos = jnp.any(emit[:, None] == eos[None, :], axis=1) & emitted
+            is_max = (n_out + rows + 1 == max_new) & emitted
+            hit_stop = is_eos | is_max
+            j = jnp.argmax(hit_stop)
+            any_stop = jnp.any(hit_stop)
+            P_new = P + a + 1
+            stop = jnp.where(any_stop, jnp.where(is_eos[j], 1, 2), jnp.where(P_new >= max_context, 3, 0))
+            i = c_["passes"]
+            return dict(
+                cache=cache, state=state, mtp_cache=mtp_cache, snaps=snaps, node=last, prev=P, path=path,
+                n_path=a + 1, vt=jnp.where(krows <= a, tt[path[:K + 1]], 0), n_pend=a + 1, pend_start=P,
+                h_prev=h_t, hidden=hidden[path[:K + 1]], t=target[last], P=P_new,
+                n_out=n_out + jnp.where(any_stop, j + 1, a + 1),
+                out=jax.lax.dynamic_update_slice(c_["out"], emit, (n_out,)), stop=stop.astype(jnp.int32),
+                passes=i + 1, nodes=c_["nodes"].at[i].set(n - 1), depth=c_["depth"].at[i].set(jnp.max(tdepth)),
+                acc=c_["acc"].at[i].set(a))
+
+        c_ = jax.lax.while_loop(lambda c_: c_["stop"] == 0, body, carry)
+        counts = dict(passes=c_["passes"], nodes=c_["nodes"], depth=c_["depth"], acc=c_["acc"])
+        return c_["out"], c_["n_out"], c_["stop"], c_["P"], counts, c_["cache"]
+
+    return jax.jit(run, donate_argnums=(1,), static_argnames=("K", "N", "c", "greedy"))
+
+
+def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
+                         sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
+                         tree_nodes: int = 8,
+                         max_snapshot_bytes: int | None = None) -> tuple[list[int], dict[str, Any]]:
+    """`tree.generate_tree` with batched verify (same arguments, tokens and stats except draft_s / verify_s;
+    plus loop="device") with every pass (drafting the tree, verify, acceptance, commit) on the device."""
+    t0 = time.perf_counter()
+    dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, "batched", max_snapshot_bytes=max_snapshot_bytes)
+    logits = dec.prefill(prompt)
+    t1 = time.perf_counter()
+    P, passes = dec.P, []
+    if max_new_tokens <= 0:
+        tokens, stop = [], "max_new_tokens"
+    else:
+        fn = _tree_fn(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level)
+        out, n, code, end, counts, runtime.cache = fn(
+            runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
+            np.int32(max_new_tokens), np.int32(runtime.max_context), _eos_array(stop_ids), traced_params(sampling),
+            np.zeros(out_slots(max_new_tokens, dec.n_nodes), np.int32), K=dec.k, N=dec.n_nodes, c=dec.drafter.c,
+            greedy=sampling.greedy)
+        out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
+        tokens, stop, P = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)], int(P)
+        m = int(counts["passes"])
+        passes = list(zip(*(counts[key][:m].tolist() for key in ("nodes", "depth", "acc"))))
+    t2 = time.perf_counter()
+    stats = {
+        **timing_stats(len(prompt), len(tokens), t0, t1, t2, stop),
+        "speculative": "mtp_tree",
+        "draft_tokens": dec.k,
+        "tree_nodes": dec.n_nodes,
+        "verify": "batched",
+        **tree_pass_stats(dec.k, passes),
+        "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
+        "loop": "device",
+    }
+    return tokens, stats

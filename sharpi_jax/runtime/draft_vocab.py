@@ -4,10 +4,10 @@ The draft step's LM head product is restricted to N gathered rows of the head (g
 their own QTensor rows, `DraftVocab`), its argmax mapped back to a token id. Verification always uses
 the full head, so the output is unchanged; only the acceptance can drop.
 
-Ranking: token ids by calibrated frequency (`calibrate`: the prompts' ids and the target's greedy
-predictions over them, teacher-forced), saved beside the model as `<model>.gguf.draft-vocab.json` (or in
-$SHARPI_CACHE, default ~/.cache/sharpi-jax, when its directory is read-only) and found there
-automatically; ids never seen follow in id order. Fallback when nothing is saved: token id order, which
+Ranking: token ids by calibrated frequency (`calibrate`: the target's own greedy outputs on the prompts,
+teacher-forced predictions and continuations: what the drafts must match), saved beside the model as
+`<model>.gguf.draft-vocab.json` (or in $SHARPI_CACHE, default ~/.cache/sharpi-jax, when its directory
+is read-only) and found there automatically; ids never seen follow in id order. Fallback when nothing is saved: token id order, which
 for a byte-level BPE vocabulary is the merge order (earlier merges are the more frequent pairs).
 """
 
@@ -69,15 +69,19 @@ def save(counts: Mapping[int, int], model_path: str | os.PathLike[str], tokens: 
     return save_json(data, [Path(path)] if path is not None else vocab_paths(model_path), "the draft vocabulary")
 
 
-def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[str] = True) -> dict[int, int]:
-    """Token counts over prompts (text or ids): each prompt's ids plus the target's greedy prediction at
-    every position (teacher-forced). save_to=True saves beside the model; a path saves there."""
+def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[str] = True,
+              generate_tokens: int = 64) -> dict[int, int]:
+    """Counts of the target's own output tokens over prompts (text or ids): its greedy prediction at
+    every prompt position (teacher-forced) plus its greedy continuation of each prompt (up to
+    generate_tokens, to an EOS): the tokens a draft must propose to be accepted. The prompts' own ids
+    are not counted (the input distribution, not the target's output). save_to=True saves beside the
+    model; a path saves there."""
     counts: dict[int, int] = {}
     tokens = 0
     for p in prompts:
         ids = engine.check_ids(engine.tokenizer.encode(p) if isinstance(p, str) else list(p))
-        pred = np.argmax(engine.logits(ids), axis=-1)
-        for t in [*ids, *pred.tolist()]:
+        out = engine.generate(ids, max_new_tokens=generate_tokens).tokens if generate_tokens > 0 else []
+        for t in [*np.argmax(engine.logits(ids), axis=-1).tolist(), *out]:
             counts[int(t)] = counts.get(int(t), 0) + 1
         tokens += len(ids)
     if not tokens:

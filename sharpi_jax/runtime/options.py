@@ -69,6 +69,5 @@ class GenerateOptions:
 
     @property
     def device_loop(self) -> bool:
-        """Whether the run takes the device loop: loop="device" for MTP off and the batched chain."""
-        return self.loop == "device" and self.speculative != "mtp_tree" and (
-            self.speculative is None or self.verify == "batched")
+        """Whether the run takes the device loop: loop="device" for MTP off and batched verify (chain, tree)."""
+        return self.loop == "device" and (self.speculative is None or self.verify == "batched")

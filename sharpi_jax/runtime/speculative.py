@@ -154,6 +154,12 @@ class MTPRuntime:
             self._vocabs = {key: draft_vocab.build(self._head_parts, rank, int(n))}  # one kept at a time
         return self._vocabs[key]
 
+    @property
+    def draft_fn(self):
+        """The jitted draft call (`draft`'s computation, taking params and device arrays explicitly: for
+        programs that nest it, such as the device loop)."""
+        return self._draft
+
     def forget_draft_vocabs(self) -> None:
         """Drop the gathered draft heads (after a new calibration)."""
         self._vocabs = {}
@@ -220,7 +226,8 @@ def teacher_forced_mtp_logits(runtime: Runtime, mtp: MTPRuntime, ids: Sequence[i
 class MTPDecoder:
     """Trunk + MTP state of one sequence and the speculative pass (see the module docstring).
 
-    Attributes after `prefill` / `step`: P (position of the next certain token), state, cache.
+    Attributes after `prefill` / `step`: P (position of the next certain token), state, cache, h_prev
+    (the trunk hidden paired with the next certain token), mtp_offset (trunk position - MTP position).
     `trace` (a list, optional) receives one dict per pass: tokens [m+1], logits [m+1, V], hidden
     [m+1, D], conv/ssm (per GDN layer, the state after each of the m+1 rows), accepted. With
     full_rows (sequential only) all m+1 rows are computed even past the first mismatch, and the GDN
@@ -247,7 +254,7 @@ class MTPDecoder:
         if not 1 <= self.k <= self.K:
             raise InputError(f"draft_tokens must be in [1, width = {self.K}], got {self.k}")
         self.full_rows, self.trace, self.zero_h_first = full_rows, trace, zero_h_first
-        self._mtp_off = 0 if zero_h_first else 1  # MTP position = trunk position - offset
+        self.mtp_offset = 0 if zero_h_first else 1  # MTP position = trunk position - offset
         self.draft_s = self.verify_s = 0.0
 
     def prefill(self, ids: Sequence[int]) -> jax.Array:
@@ -263,7 +270,7 @@ class MTPDecoder:
         self._commit = None  # batched: (snaps, a) of the last pass, applied inside the next trunk pass
         D = rt.config.d_model
         # Rows to catch up before the next draft row: none yet; the certain token pairs with h_last.
-        self._pend, self._pend_start, self._h_prev = [], self.P, h_last
+        self._pend, self._pend_start, self.h_prev = [], self.P, h_last
         self._hidden = jnp.zeros((self.K + 1, D), jnp.float32)
         jax.block_until_ready((logits, cache))
         return logits
@@ -281,8 +288,8 @@ class MTPDecoder:
         toks = np.zeros(self.K + 2, np.int32)
         n_valid = len(self._pend) + 1
         toks[:n_valid] = self._pend + [t]
-        vtokens, self.cache, h_t = self.mtp.draft(self.cache, toks, self._h_prev, self._hidden,
-                                                  self._pend_start - self._mtp_off, n_valid, max(n_draft, 1),
+        vtokens, self.cache, h_t = self.mtp.draft(self.cache, toks, self.h_prev, self._hidden,
+                                                  self._pend_start - self.mtp_offset, n_valid, max(n_draft, 1),
                                                   self.vocab)
         vtokens.block_until_ready()
         t1 = time.perf_counter()
@@ -293,7 +300,7 @@ class MTPDecoder:
         self.draft_s += t1 - t0
         self.verify_s += time.perf_counter() - t1
         a = len(accepted)
-        self._pend, self._pend_start, self._h_prev, self._hidden = [t] + accepted, P, h_t, hidden
+        self._pend, self._pend_start, self.h_prev, self._hidden = [t] + accepted, P, h_t, hidden
         self.P = P + a + 1
         return accepted, nxt, n_draft
 

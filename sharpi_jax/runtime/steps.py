@@ -139,6 +139,13 @@ class Runtime:
         self.cache = tuple(cache_leaves)  # expert residency state, replaced after every step
         self._fns = _step_fns(self.graphdef, treedef, self._cache_treedef)
 
+    @property
+    def steps(self) -> SimpleNamespace:
+        """The jitted step functions of this model graph (`_step_fns`: prefill, decode, verify, commit,
+        commit_verify, tree_commit_verify), taking (params, cache, ...) explicitly: for programs that
+        nest them, such as the device loop."""
+        return self._fns
+
     def expert_cache_arrays(self) -> dict[tuple, jax.Array]:
         """The expert residency arrays by nnx path (empty without an expert budget)."""
         state = jax.tree.unflatten(self._cache_treedef, self.cache)

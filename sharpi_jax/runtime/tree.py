@@ -102,7 +102,7 @@ class TreeDecoder:
         cache, h_last, _ = self.mtp.prefill(self.mtp.new_cache(), ids, chunks)
         self.state, self.cache, self.P = state, cache, len(ids)
         self._commit = None  # batched: (snaps, node, P, path, n_path) of the last pass
-        self._pend, self._pend_start, self._h_prev = [], self.P, h_last
+        self._pend, self._pend_start, self.h_prev = [], self.P, h_last
         self._hidden = jnp.zeros((self.k + 1, rt.config.d_model), jnp.float32)
         jax.block_until_ready((logits, cache))
         return logits
@@ -118,7 +118,7 @@ class TreeDecoder:
         toks = np.zeros(self.k + 2, np.int32)
         n_valid = len(self._pend) + 1
         toks[:n_valid] = self._pend + [t]
-        tree, self.cache, h_t = self.drafter.draft(self.cache, toks, self._h_prev, self._hidden,
+        tree, self.cache, h_t = self.drafter.draft(self.cache, toks, self.h_prev, self._hidden,
                                                    self._pend_start - 1, n_valid, depth, n_nodes)
         t1 = time.perf_counter()
         if self.verify == "batched":
@@ -128,7 +128,7 @@ class TreeDecoder:
         self.draft_s += t1 - t0
         self.verify_s += time.perf_counter() - t1
         accepted = [int(tree.tokens[i]) for i in path[1:]]
-        self._pend, self._pend_start, self._h_prev, self._hidden = [t] + accepted, P, h_t, hidden
+        self._pend, self._pend_start, self.h_prev, self._hidden = [t] + accepted, P, h_t, hidden
         self.P = P + len(accepted) + 1
         return accepted, nxt, tree
 

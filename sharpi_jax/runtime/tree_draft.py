@@ -73,7 +73,7 @@ def _tree_mtp_fns(graphdef, treedef):
 @dataclasses.dataclass
 class DraftTree:
     """A drafted tree in row order: tokens [n] (row 0 = the certain token), parent [n] (-1 for row 0),
-    depth [n], score [n] (cumulative draft log-prob), chain [n] (on the greedy chain)."""
+    depth [n], score [n] (cumulative draft log-prob, summed in float32), chain [n] (on the greedy chain)."""
 
     tokens: np.ndarray
     parent: np.ndarray
@@ -98,15 +98,15 @@ class TreeDrafter:
         self.mtp, self.k, self.n_nodes = mtp, int(draft_tokens), int(tree_nodes)
         self.c = branching(self.k, self.n_nodes)
         self.rows = max(2, self.c)  # MTP rows per level call (>= 2: the row-stable kernel)
-        self._root, self._level = _tree_mtp_fns(*mtp.graph)
+        self.root, self.level = _tree_mtp_fns(*mtp.graph)  # the jitted calls (the device loop nests them)
 
     def draft(self, cache, tokens: np.ndarray, h_prev, hidden, start: int, n_valid: int, depth: int,
               n_nodes: int) -> tuple[DraftTree, object, jax.Array]:
         """KV catch-up rows 0..n_valid-2 and the certain token at row n_valid-1 (MTP positions start..,
         as `MTPRuntime.draft`), then a tree of at most n_nodes drafts and depth `depth` (0: the root only).
         Returns (tree, cache, the h paired with the certain token)."""
-        idx, lp, root_h, cache, h_t = self._root(self.mtp.params, cache, np.asarray(tokens, np.int32), h_prev,
-                                                  hidden, np.int32(start), np.int32(n_valid), self.c)
+        idx, lp, root_h, cache, h_t = self.root(self.mtp.params, cache, np.asarray(tokens, np.int32), h_prev,
+                                                 hidden, np.int32(start), np.int32(n_valid), self.c)
         R = start + n_valid - 1  # the certain token's MTP position
         # candidate nodes: (token, parent node, depth, score, chain, MTP slot when expanded)
         tok, par, dep, score, chain = [int(tokens[n_valid - 1])], [-1], [0], [0.0], [True]
@@ -143,14 +143,14 @@ class TreeDrafter:
                     path.append(slot[j])
                     j = par[j]
                 anc[b, :d] = path[::-1]
-            idx, lp, prev_hp, cache = self._level(self.mtp.params, cache, btok, prev_hp, pidx, np.int32(base),
-                                                  np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c)
+            idx, lp, prev_hp, cache = self.level(self.mtp.params, cache, btok, prev_hp, pidx, np.int32(base),
+                                                 np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c)
             idx, lp = np.asarray(idx), np.asarray(lp)
             prev_row = {i: b for b, i in enumerate(beam)}
             for b, i in enumerate(beam):
                 for j in range(self.c):
                     tok.append(int(idx[b, j])), par.append(i), dep.append(d + 1)
-                    score.append(score[i] + float(lp[b, j]))
+                    score.append(float(np.float32(score[i]) + lp[b, j]))  # float32 sums, as `tree_device`
                     chain.append(chain[i] and j == 0)
         return self._select(tok, par, dep, score, chain, n_nodes), cache, h_t
 

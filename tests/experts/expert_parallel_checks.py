@@ -5,9 +5,10 @@
     python -m tests.experts.expert_parallel_checks --devices=4 [--generate=FILE ...] FILE [FILE ...]
 
 Every file: logits bitwise and the bytes each device holds; the files in --generate also: greedy and
-MTP (batched verify, MTP_DRAFTS drafts) tokens over --new_tokens tokens (EOS ignored) and teacher-forced
-MTP logits (each file compiles its own graphs: these checks cost ~4x the logits check). --hlo=FILE:
-the collectives of the compiled expert-parallel MoE layer and trunk pass.
+MTP (batched verify, MTP_DRAFTS drafts; chain and tree, and the chain over a SnapKV-evicted cache next to
+one device's) tokens over --new_tokens tokens (EOS ignored) and teacher-forced MTP logits (each file
+compiles its own graphs: these checks cost ~4x the logits check). --hlo=FILE: the collectives of the
+compiled expert-parallel MoE layer and trunk pass.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 
 
 MTP_DRAFTS = 3
+TREE_NODES = 8
+KV_BUDGET = 12  # SnapKV positions kept (the long prompt has more)
 
 
 def _force_devices(n: int) -> None:
@@ -50,6 +53,15 @@ def check_file(path: str, n: int, prompt: str, new_tokens: int, generate: bool) 
         out["mtp_draft_tokens"] = mtp.stats["draft_tokens"]
         out["mtp_accepted"] = mtp.stats["accepted"]
         out["mtp_logits_bitwise"] = bool(bitwise_equal(par.mtp_logits(ids), one.mtp_logits(ids)))
+        tree = par.generate(ids, **gen, speculative="mtp_tree", draft_tokens=MTP_DRAFTS, tree_nodes=TREE_NODES)
+        out["tree_parallel"], out["tree_accepted"] = tree.tokens, tree.stats["accepted"]
+        # SnapKV: a prompt longer than the budget, evicted at prefill; the chain decodes the compacted cache.
+        long_ids = one.tokenizer.encode(prompt * 3)
+        kv = dict(kv_policy="snapkv", kv_budget=KV_BUDGET, kv_window=4, speculative="mtp", draft_tokens=MTP_DRAFTS)
+        snap_one = one.generate(long_ids, **gen, **kv)
+        snap_par = par.generate(long_ids, **gen, **kv)
+        out["snapkv_one"], out["snapkv_parallel"] = snap_one.tokens, snap_par.tokens
+        out["snapkv_evicted"] = snap_par.stats["kv_evicted"]
     # What each device holds: the routed experts split by expert id, every other param in full.
     out["expert_bytes_one"] = sum(parallel.device_bytes(one.model, parallel.is_routed_expert).values())
     out["expert_bytes"] = [parallel.device_bytes(par.model, parallel.is_routed_expert).get(d, 0)

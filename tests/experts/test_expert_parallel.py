@@ -12,8 +12,9 @@ F32/Q8_0):
   differently; a tolerance would hide a real reordering;
 - each device holds exactly 1/4 of the routed-expert bytes (E/4 experts of every matrix, in their
   storage encoding) and the dense params in full;
-- greedy tokens (32, EOS ignored) equal one device's and MTP (batched verify, 3 drafts) tokens equal
-  them, teacher-forced MTP logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow
+- greedy tokens (32, EOS ignored) equal one device's and MTP (batched verify, 3 drafts; chain and
+  tree of 8 nodes) tokens equal them, the chain over a SnapKV-evicted cache equals one device's
+  SnapKV run, teacher-forced MTP logits bitwise: on tiny-qwen35moe-Q4_K_M here, on every file in the slow
   tier (each file compiles its own generation graphs, ~25 s of CPU each; the sharded dispatch does not
   depend on the arch);
 - a 2-process `jax.distributed` run of `experiments.generate --expert_parallel=2` (one CPU device per
@@ -143,12 +144,15 @@ def test_each_device_holds_only_its_experts(results, f):
 
 def _check_generation(r: dict) -> None:
     """>= 32 greedy tokens (EOS ignored); MTP with 3 drafts (some accepted, so verify rows and rollback
-    run sharded) gives the same tokens."""
+    run sharded), chain and tree (8 nodes), gives the same tokens; the chain over a SnapKV-evicted cache
+    gives one device's SnapKV tokens."""
     assert len(r["greedy_one"]) >= 32
     assert r["greedy_parallel"] == r["greedy_one"]
     assert r["mtp_parallel"] == r["greedy_one"]
     assert r["mtp_draft_tokens"] == 3 and r["mtp_accepted"] > 0
     assert r["mtp_logits_bitwise"]
+    assert r["tree_parallel"] == r["greedy_one"] and r["tree_accepted"] > 0
+    assert r["snapkv_parallel"] == r["snapkv_one"] and len(r["snapkv_one"]) >= 16 and r["snapkv_evicted"] > 0
 
 
 def test_compiled_collectives_are_one_psum_of_4kd_bytes_per_token_per_moe_layer(results):

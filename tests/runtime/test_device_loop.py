@@ -1,6 +1,7 @@
 """The device loop (`sharpi_jax.runtime.device_loop`): one jitted while_loop per generation gives the
-host loop's tokens and stats, bit for bit, for MTP off and the MTP chain, greedy and seeded; stops
-(EOS inside an accepted run, max_new_tokens, the context end) land where the host loop's do; SnapKV.
+host loop's tokens and stats, bit for bit, for MTP off, the MTP chain and the MTP tree, greedy and
+seeded; stops (EOS inside an accepted run, max_new_tokens, the context end) land where the host loop's
+do; SnapKV.
 
 Fast tier: the embedded default model and one fixture file; slow: every fixture file."""
 
@@ -11,16 +12,19 @@ import pytest
 import sharpi_jax as sj
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.snapkv import policy
-from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, out_slots
+from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, generate_tree_device, out_slots
 from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.speculative import generate_mtp
+from sharpi_jax.runtime.tree import generate_tree
 from tests.conftest import fixture_engine, load_references
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
 SHARED = ("generated_tokens", "stop_reason", "kv_slots", "kv_evicted", "kv_capacity")
 PASSES = ("drafted", "accepted", "verify_passes", "accept_per_position", "mean_accept_len", "acceptance_rate")
+TREE_PASSES = ("drafted", "drafted_nodes", "accepted", "verify_passes", "accept_per_depth", "mean_accept_len",
+               "tree_nodes")
 VARIANTS = [("tiny-qwen35moe", v) for v in ("F32", "BF16", "Q8_0", "Q4_K_M")] + \
            [("tiny-qwen35", v) for v in ("F32", "Q8_0", "Q4_K_M")] + \
            [("tiny-qwen3next", v) for v in ("F32", "Q8_0")]
@@ -31,9 +35,9 @@ def default_engine():
     return sj.load(max_context=256)
 
 
-def check(e, prompt, n, sampling, k=3, stop_ids=(), kv=None, modes=("plain", "chain")):
-    """Device loop == host loop (tokens and stats) for the given modes, and chain == plain. Returns the
-    host runs {mode: (tokens, stats)}."""
+def check(e, prompt, n, sampling, k=3, stop_ids=(), kv=None, modes=("plain", "chain", "tree"), nodes=8):
+    """Device loop == host loop (tokens and stats) for the given modes, and chain == tree == plain
+    (the tree: depth k, `nodes` nodes). Returns the host runs {mode: (tokens, stats)}."""
     ref = generate_ids(e.runtime, prompt, n, sampling, stop_ids, kv)
     runs = {"plain": ref}
     if "plain" in modes:
@@ -49,6 +53,14 @@ def check(e, prompt, n, sampling, k=3, stop_ids=(), kv=None, modes=("plain", "ch
         for key in SHARED + PASSES:
             assert dev[1][key] == host[1][key], key
         runs["chain"] = host
+    if "tree" in modes and kv is None:
+        host = generate_tree(e.runtime, e.mtp, prompt, n, sampling, stop_ids, k, nodes)
+        dev = generate_tree_device(e.runtime, e.mtp, prompt, n, sampling, stop_ids, k, nodes)
+        assert host[0] == ref[0] and dev[0] == ref[0]
+        for key in SHARED[:2] + TREE_PASSES:
+            assert dev[1][key] == host[1][key], key
+        assert dev[1]["loop"] == "device"
+        runs["tree"] = host
     return runs
 
 
@@ -56,11 +68,20 @@ def test_greedy_and_seeded_equal_host_loop(default_engine):
     e = default_engine
     prompt = e.tokenizer.encode("def fibonacci(n):\n")
     greedy = check(e, prompt, 40, GREEDY)
-    seeded = check(e, prompt, 40, SEEDED, modes=("chain",))
+    seeded = check(e, prompt, 40, SEEDED, modes=("chain", "tree"))
     assert seeded["plain"][0] != greedy["plain"][0]  # the sampler is really sampling
     for runs in (greedy, seeded):
-        s = runs["chain"][1]
-        assert s["accepted"] > 0 and s["accepted"] < s["drafted"]  # accepting and rejecting passes (rollback)
+        for mode in ("chain", "tree"):
+            s = runs[mode][1]
+            assert s["accepted"] > 0 and s["accepted"] < s["drafted"]  # accepting and rejecting passes (rollback)
+
+
+def test_tree_shapes(default_engine):
+    """The tree loop at other depths / node counts (the chain as a tree: nodes = depth; a single level)."""
+    e = default_engine
+    prompt = e.tokenizer.encode("import os\nimport sys\n\n\nclass ")
+    for k, nodes in ((1, 4), (3, 3), (2, 5)):
+        check(e, prompt, 24, GREEDY, k=k, modes=("tree",), nodes=nodes)
 
 
 def test_stops(default_engine):
@@ -68,7 +89,7 @@ def test_stops(default_engine):
     the context end (the last passes draft fewer than k tokens)."""
     e = default_engine
     prompt = e.tokenizer.encode("import os\nimport sys\n\n\nclass ")
-    runs = check(e, prompt, 40, GREEDY, modes=("chain",))
+    runs = check(e, prompt, 40, GREEDY, modes=("chain", "tree"))
     out, s = runs["chain"]
     trace = []
     assert generate_mtp(e.runtime, e.mtp, prompt, 40, GREEDY, (), 3, trace=trace)[0] == out
@@ -81,11 +102,13 @@ def test_stops(default_engine):
     stop = out[first_new[0]]
     host = check(e, prompt, 40, GREEDY, stop_ids={stop})
     assert host["chain"][1]["stop_reason"] == "eos" and len(host["chain"][0]) == first_new[0] + 1
+    assert host["tree"][1]["stop_reason"] == "eos"
     for n in (0, 1, 2, 5):
         check(e, prompt, n, GREEDY)
     long = e.tokenizer.encode("def f(x):\n    return x\n" * 40)[: e.max_context - 20]
     ctx = check(e, long, 60, GREEDY)
-    assert ctx["chain"][1]["stop_reason"] == "max_context"
+    assert ctx["chain"][1]["stop_reason"] == ctx["tree"][1]["stop_reason"] == "max_context"
+    assert ctx["tree"][1]["drafted_nodes"][-1] < 8  # the last passes' trees shrink at the context end
     assert len(ctx["chain"][0]) == e.max_context - len(long) + 1
 
 
@@ -99,7 +122,7 @@ def test_snapkv(default_engine):
 
 def test_engine_generate_loop_option(default_engine):
     e = default_engine
-    for spec in (None, "mtp"):
+    for spec in (None, "mtp", "mtp_tree"):
         host = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative=spec, loop="host")
         dev = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative=spec)
         assert dev.tokens == host.tokens and dev.text == host.text

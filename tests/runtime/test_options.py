@@ -40,7 +40,8 @@ def test_frozen_and_derived():
     assert not dataclasses.replace(o, verify="sequential").device_loop
     assert GenerateOptions(verify="sequential").device_loop  # MTP off ignores verify
     tree = GenerateOptions(speculative="mtp_tree", draft_tokens=4)
-    assert not tree.device_loop and tree.nodes == 8 and dataclasses.replace(tree, draft_tokens=12).nodes == 12
+    assert tree.device_loop and not dataclasses.replace(tree, verify="sequential").device_loop
+    assert tree.nodes == 8 and dataclasses.replace(tree, draft_tokens=12).nodes == 12
     assert dataclasses.replace(tree, tree_nodes=5).nodes == 5
     with pytest.raises(InputError, match="draft_vocab applies"):
         dataclasses.replace(o, speculative=None, draft_vocab=32)  # replace validates again
