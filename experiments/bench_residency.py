@@ -80,13 +80,13 @@ flags.DEFINE_string("out", "results/residency.jsonl", "JSONL output (appended)."
 flags.DEFINE_string("plot_dir", None, "Where the figures go (default: <out dir>/plots).")
 flags.DEFINE_integer("seed", 0, "RNG seed of the prompts.")
 flags.DEFINE_bool("lookahead", False, "The lookahead grid (experiments.residency_lookahead): --model (default "
-                  "research) x budgets (default 0.1,0.25,0.5,0.75) x policies (default all) x --lookahead_modes, "
+                  "research) x budgets (default 0.25) x policies (default all) x --lookahead_modes, "
                   "MTP off and on; prints the 25%-budget verdict and next-layer recall per layer.")
 flags.DEFINE_list("lookahead_modes", ["none", "next_layer", "pass", "both"], "expert_lookahead modes (--lookahead).")
 flags.DEFINE_integer("new_tokens", 24, "--lookahead: tokens generated per run.", lower_bound=2)
 flags.DEFINE_integer("draft_tokens", 3, "--lookahead: MTP drafts per pass (k).", lower_bound=1)
 flags.DEFINE_float("verdict_budget", 0.25, "--lookahead: the budget of the verdict line.")
-LOOKAHEAD_BUDGETS = ("0.1", "0.25", "0.5", "0.75")
+LOOKAHEAD_BUDGETS = ("0.25",)  # the verdict's budget; --budgets=0.1,0.25,0.5,0.75 for the sweep
 LOOKAHEAD_POLICIES = ("static", "frequency", "lru", "slru")
 
 

@@ -122,7 +122,7 @@ def run_grid(path: Path, budgets, policies, modes, *, prompt_tokens: int, new_to
         def one(cell):
             return {m: _figures(*_decode_cost(cell[1], prompt, kw)) for m, kw in runs.items()}
 
-        results = interleaved(cells, one, repeats, warm=lambda cell: [cell[1].generate(prompt[:8], **dict(
+        results = interleaved(cells, one, repeats, warm=lambda cell: [cell[1].generate(prompt, **dict(
             kw, max_new_tokens=4)) for kw in runs.values()], log=lambda m: print(m, flush=True), what="engines")
         for (fields, _), rounds in zip(cells, results):
             for m in runs:
