@@ -18,7 +18,10 @@ speculative="mtp" is first used) and are outside the budget.
 Placement follows the policy (`policies`): each layer's initial slots are ordered by calibrated
 counts (or expert id), "frequency" spends the budget greedily across layers by count per byte with a
 per-layer floor of min(top_k, equal share) slots, the others round robin; the policy's ring share
-(or `expert_ring`) of each layer's slots forms the ring, the rest are pinned.
+(or `expert_ring`) of each layer's slots forms the ring, the rest are pinned. Under an
+`expert_lookahead` other than "none", a policy without a ring (static, frequency) gets
+`LOOKAHEAD_RING_SHARE` of each layer's slots as its ring (what is fetched ahead lands there; see
+`lookahead`); the budget is the same.
 """
 
 from __future__ import annotations
