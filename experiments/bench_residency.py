@@ -332,6 +332,7 @@ def _lookahead(emit, out: Path) -> int:
     la.summary(records)
     print(f"wrote {len(records) + 1} records to {out}")
     print(f"wrote {la.plot(records, Path(FLAGS.plot_dir or out.parent / 'plots') / 'residency_lookahead.png')}")
+    print(la.verdict(records, FLAGS.verdict_budget, mtp=False))
     print(la.verdict(records, FLAGS.verdict_budget))
     print(f"grid done in {time.perf_counter() - t:.0f}s")
     return 0
