@@ -328,7 +328,8 @@ def _lookahead(emit, out: Path) -> int:
     records = la.run_grid(path, [float(b) for b in budgets], list(policies), list(FLAGS.lookahead_modes),
                           prompt_tokens=FLAGS.prompt_tokens, new_tokens=FLAGS.new_tokens,
                           draft_tokens=FLAGS.draft_tokens, repeats=FLAGS.repeats, max_context=FLAGS.max_context,
-                          emit=lambda r: _emit_quiet(out, r), counts_out=out.with_name(f"{out.stem}.{path.stem}.expert-counts.json"))
+                          emit=lambda r: _emit_quiet(out, r),
+                          counts_out=out.with_name(f"{out.stem}.{path.stem}.expert-counts.json"))
     la.summary(records)
     print(f"wrote {len(records) + 1} records to {out}")
     print(f"wrote {la.plot(records, Path(FLAGS.plot_dir or out.parent / 'plots') / 'residency_lookahead.png')}")

@@ -150,10 +150,13 @@ def verdict(records: list[dict], budget: float, limit: float = 0.6, mtp: bool = 
         return f"verdict: no records at budget {budget:g} (mtp={mtp}) both with and without lookahead"
     best = min(ahead, key=lambda r: r["demand_mib_per_token"])
     base = min(plain, key=lambda r: r["demand_mib_per_token"])
-    ratio = best["demand_mib_per_token"] / base["demand_mib_per_token"] if base["demand_mib_per_token"] else float("inf")
-    moved = best["moved_mib_per_token"] / base["moved_mib_per_token"] if base["moved_mib_per_token"] else float("inf")
+    def over(key: str) -> float:
+        return best[key] / base[key] if base[key] else float("inf")
+
+    ratio, moved = over("demand_mib_per_token"), over("moved_mib_per_token")
     ok = ("PASS" if ratio <= limit else "FAIL") if mtp else "(MTP off, no bar)"
-    return (f"verdict {ok}: budget {budget:.0%}, MTP {'k=%d' % best['draft_tokens'] if mtp else 'off'}: best with lookahead "
+    what = f"k={best['draft_tokens']}" if mtp else "off"
+    return (f"verdict {ok}: budget {budget:.0%}, MTP {what}: best with lookahead "
             f"{best['expert_policy']}/{best['expert_lookahead']} {best['demand_mib_per_token']:.3f} demand MiB per "
             f"generated token vs best without {base['expert_policy']} {base['demand_mib_per_token']:.3f}: "
             f"{ratio:.2f}x{f' (bar <= {limit}x)' if mtp else ''}; all bytes moved (prefetch included) {moved:.2f}x")
