@@ -1,5 +1,6 @@
 r"""Expert residency: decode / prefill tokens/s, hit rate and bytes streamed per token vs budget and policy.
 
+    python -m experiments.bench_residency --lookahead       # research model: policies x expert_lookahead, MTP off/on
     python -m experiments.bench_residency                     # 2-layer 35B-A3B-shaped model, vocab 4096
     python -m experiments.bench_residency --n_layer=4 --n_vocab=0 --budgets=0.1,0.25,0.5,0.75,1.0  # bigger
     python -m experiments.bench_residency --threshold_only    # host compute vs streaming
@@ -78,6 +79,15 @@ flags.DEFINE_integer("threshold_repeats", 3, "Timed calls per mode and N, altern
 flags.DEFINE_string("out", "results/residency.jsonl", "JSONL output (appended).")
 flags.DEFINE_string("plot_dir", None, "Where the figures go (default: <out dir>/plots).")
 flags.DEFINE_integer("seed", 0, "RNG seed of the prompts.")
+flags.DEFINE_bool("lookahead", False, "The lookahead grid (experiments.residency_lookahead): --model (default "
+                  "research) x budgets (default 0.25) x policies (default all) x --lookahead_modes, "
+                  "MTP off and on; prints the 25%-budget verdict and next-layer recall per layer.")
+flags.DEFINE_list("lookahead_modes", ["none", "next_layer", "pass", "both"], "expert_lookahead modes (--lookahead).")
+flags.DEFINE_integer("new_tokens", 24, "--lookahead: tokens generated per run.", lower_bound=2)
+flags.DEFINE_integer("draft_tokens", 3, "--lookahead: MTP drafts per pass (k).", lower_bound=1)
+flags.DEFINE_float("verdict_budget", 0.25, "--lookahead: the budget of the verdict line.")
+LOOKAHEAD_BUDGETS = ("0.25",)  # the verdict's budget; --budgets=0.1,0.25,0.5,0.75 for the sweep
+LOOKAHEAD_POLICIES = ("static", "frequency", "lru", "slru")
 
 
 def _model_path() -> Path:
@@ -306,6 +316,34 @@ def bench_threshold(path: Path, emit) -> list[dict]:
     return records
 
 
+def _lookahead(emit, out: Path) -> int:
+    """--lookahead: the grid of `experiments.residency_lookahead`, its figure, verdict and summary."""
+    from experiments import residency_lookahead as la
+    from experiments.presets import resolve_model
+
+    path = Path(resolve_model(FLAGS.model or "research"))
+    budgets = FLAGS.budgets if FLAGS["budgets"].present else LOOKAHEAD_BUDGETS
+    policies = FLAGS.policies if FLAGS["policies"].present else LOOKAHEAD_POLICIES
+    t = time.perf_counter()
+    records = la.run_grid(path, [float(b) for b in budgets], list(policies), list(FLAGS.lookahead_modes),
+                          prompt_tokens=FLAGS.prompt_tokens, new_tokens=FLAGS.new_tokens,
+                          draft_tokens=FLAGS.draft_tokens, repeats=FLAGS.repeats, max_context=FLAGS.max_context,
+                          emit=lambda r: _emit_quiet(out, r),
+                          counts_out=out.with_name(f"{out.stem}.{path.stem}.expert-counts.json"))
+    la.summary(records)
+    print(f"wrote {len(records) + 1} records to {out}")
+    print(f"wrote {la.plot(records, Path(FLAGS.plot_dir or out.parent / 'plots') / 'residency_lookahead.png')}")
+    print(la.verdict(records, FLAGS.verdict_budget, mtp=False))
+    print(la.verdict(records, FLAGS.verdict_budget))
+    print(f"grid done in {time.perf_counter() - t:.0f}s")
+    return 0
+
+
+def _emit_quiet(out: Path, r: dict) -> None:
+    with out.open("a") as fh:
+        fh.write(json.dumps(r) + "\n")
+
+
 def main(argv) -> int:
     del argv
     line_buffered()
@@ -313,7 +351,7 @@ def main(argv) -> int:
     from sharpi_jax.errors import SharpiError
 
     try:
-        path = _model_path()
+        path = None if FLAGS.lookahead else _model_path()
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -326,6 +364,8 @@ def main(argv) -> int:
         with out.open("a") as fh:
             fh.write(json.dumps(r) + "\n")
 
+    if FLAGS.lookahead:
+        return _lookahead(emit, out)
     if FLAGS.threshold or FLAGS.threshold_only:
         records += bench_threshold(path, emit)
     if not FLAGS.threshold_only:

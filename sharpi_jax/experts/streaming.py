@@ -122,6 +122,7 @@ class Streamer:
         self.sources = {i: LayerSource(f, i, d_model, d_ff) for i in self.layers}
         self._next = {a: b for a, b in zip(self.layers, self.layers[1:])}
         self._staging: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._ahead: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}  # lookahead fetches' buffers
         self._last_miss: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self.prefetch_experts = int(prefetch_experts)
@@ -142,7 +143,7 @@ class Streamer:
         z = lambda v=0: {i: v for i in self.layers}  # noqa: E731
         self.stats = {"calls": z(), "callback_s": z(0.0), "host_s": z(0.0), "streamed_experts": z(),
                       "streamed_bytes": z(), "host_experts": z(), "host_pairs": z(), "host_bytes": z(),
-                      "prefetch_experts": z()}
+                      "prefetch_experts": z(), "ahead_calls": z(), "ahead_s": z(0.0), "ahead_bytes": z()}
 
     def snapshot(self) -> dict:
         """A copy of the cumulative host-side counters."""
@@ -202,6 +203,26 @@ class Streamer:
             s["host_bytes"][layer] += int(hosted.size) * src.bytes_per_expert
             s["host_pairs"][layer] += n_pairs
         return tuple(out)
+
+    def fetch(self, layer: int, n: int, ids):
+        """Lookahead (`residency.lookahead`): the raw bytes of experts `ids` (>= 0; -1 pads) of a layer,
+        fetched before its call asks for them -> (gate, up, down) [n, ...]; counted apart from demand."""
+        t0 = time.perf_counter()
+        src = self.sources[layer]
+        ids = np.asarray(ids)
+        got = ids[ids >= 0].astype(np.int64)
+        if (layer, n) not in self._ahead:  # its own buffers: a demand call's staging may be in flight
+            self._ahead[(layer, n)] = tuple(np.zeros((n,) + v.shape[1:], np.uint8) for v in src.views)
+        bufs = self._ahead[(layer, n)]
+        for j, e in enumerate(got):
+            for buf, view in zip(bufs, src.views):
+                buf[j] = view[e]
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats["ahead_calls"][layer] += 1
+            self.stats["ahead_s"][layer] += dt
+            self.stats["ahead_bytes"][layer] += int(got.size) * src.bytes_per_expert
+        return bufs
 
     def _host_compute(self, src: LayerSource, u: np.ndarray, sel: np.ndarray, valid: np.ndarray,
                       hosted: np.ndarray, y: np.ndarray, row_kernel: str) -> int:

@@ -28,6 +28,10 @@ class ExpertProvider(Protocol):
     None (rows with valid False are bucket padding: routed like row 0 with zero weights). Returns
     float32 [N, D] = sum_j w[i, j] * expert_{sel[i, j]}(u[i]), summed in rank order j = 0..k-1, each
     row independent of the others bit for bit. An nnx.Module; its variables are its weights.
+
+    Optionally (expert residency's lookahead): `predicts` True and `prefetch(sel, valid)`, called by
+    the trunk before this layer's block runs with the experts this layer's router picks for the rows
+    the block before outputs (`MoE.prefetch`); it may move experts, never change what a call returns.
     """
 
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None) -> jax.Array: ...
@@ -59,6 +63,18 @@ class MoE(nnx.Module):
         self.router = Linear(c.d_model, c.n_expert + (1 if self.has_shared else 0))
         self.experts = experts
         self.shared = SwiGLU(c.d_model, c.shared_expert_ff) if self.has_shared else None
+
+    @property
+    def predicts(self) -> bool:
+        """Whether the routed experts take predictions ahead of the call (`ExpertProvider.prefetch`)."""
+        return bool(getattr(self.experts, "predicts", False))
+
+    def prefetch(self, u: jax.Array, valid: jax.Array | None = None) -> None:
+        """This router applied early to rows u [N, D] (normed as this layer's input would be): hands its
+        top-k experts to the provider's `prefetch` (next-layer prediction, as `runtime.routing`)."""
+        if self.predicts:
+            sel, _ = top_k_weights(jax.nn.softmax(self.router(u)[:, : self.n_expert], axis=-1), self.k)
+            self.experts.prefetch(sel, valid)
 
     def __call__(self, u: jax.Array, valid: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
         """u [N, D] normed rows; rows with valid False (bucket padding) are routed like row 0 with zero

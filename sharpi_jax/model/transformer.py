@@ -119,6 +119,12 @@ class Block(nnx.Module):
         u = self.post_norm(h)
         return self.ffn(u, valid, rows) if self.is_moe else self.ffn(u, rows)
 
+    def prefetch(self, x: jax.Array, valid: jax.Array) -> None:
+        """Next-layer prediction: rows x [T, D] entering this block (the block before's output) routed
+        by this block's MoE router as if they were its FFN input; its experts may fetch them ahead."""
+        if self.is_moe and x.ndim == 2 and self.ffn.predicts:
+            self.ffn.prefetch(self.post_norm(x), valid)
+
 
 class Transformer(nnx.Module):
     """The trunk of a qwen35moe / qwen35 / qwen3next model (MTP blocks excluded)."""
@@ -141,7 +147,9 @@ class Transformer(nnx.Module):
         valid = rows < n_valid
         x = self.embed(tokens)
         caches, snapshots = [], []
-        for blk, cache in zip(self.layers, state, strict=True):
+        for i, (blk, cache) in enumerate(zip(self.layers, state, strict=True)):
+            if i > 0:
+                blk.prefetch(x, valid)  # a no-op unless its experts take predictions (residency lookahead)
             if queries is None:
                 x, cache, snapshot = blk(x, cache, positions, valid, mode, tree)
             else:

@@ -68,6 +68,11 @@ COMMANDS = {
         "--model=default", "--budgets=0.5", "--policies=static", "--repeats=2", "--nobaseline", "--prompt_tokens=8",
         "--decode_tokens=3", "--max_context=32", "--prefill_buckets=8", "--threshold", "--threshold_rows=2",
         "--threshold_repeats=2", f"--out={t / 'res.jsonl'}", f"--plot_dir={t / 'plots'}"]),
+    "test_bench_residency_lookahead": ("bench_residency", lambda t: [
+        "--lookahead", "--model=default", "--budgets=0.5", "--policies=lru", "--lookahead_modes=none,next_layer",
+        "--verdict_budget=0.5", "--repeats=2", "--prompt_tokens=8", "--new_tokens=6", "--max_context=64",
+        f"--out={t / 'la.jsonl'}",
+        f"--plot_dir={t / 'plots'}"]),
     "test_sweep_command_on_the_shipped_smoke_config": ("sweep", lambda t: [
         "--config=configs/sweeps/smoke.json", f"--out={t / 'smoke.jsonl'}", "--repeats=2"]),
     "test_bench_decode": ("bench_decode", lambda t: [
@@ -324,6 +329,28 @@ def test_bench_ggml(runs, request):
     assert {r["m"] for r in recs if "m" in r} == {1, 2}
     for r in recs:
         _check_spread(r, "ms", rounds=2)
+
+
+def test_bench_residency_lookahead(runs, request):
+    """The lookahead grid on the default model: one budget, lru with and without next_layer, MTP off / on."""
+    tmp, res = result(runs, request)
+    out = ok(res).stdout
+    assert "next-layer recall@4 per layer: L1 " in out and ("verdict PASS" in out or "verdict FAIL" in out)
+    recs = jsonl(tmp / "la.jsonl")
+    (recall,) = [r for r in recs if r.get("bench") == "residency_lookahead_recall"]
+    assert set(recall["recall_at_k"]) == {"1", "2", "3"} and all(0 <= v <= 1 for v in recall["recall_at_k"].values())
+    grid = [r for r in recs if r.get("bench") == "residency_lookahead"]
+    assert {(r["expert_lookahead"], r["mtp"]) for r in grid} == {(m, t) for m in ("none", "next_layer")
+                                                                  for t in (False, True)}
+    for r in grid:
+        assert 0 <= r["hit_rate"] <= 1 and r["repeats"] == 2
+        _check_spread(r, "decode_tok_s", rounds=2)
+        assert r["moved_mib_per_token"] == pytest.approx(r["demand_mib_per_token"] + r["prefetch_mib_per_token"])
+        if r["expert_lookahead"] == "none":
+            assert r["prefetch_mib_per_token"] == 0 and r["prefetch_useful"] == 0
+        elif not r["mtp"]:
+            assert r["prefetch_mib_per_token"] > 0 and r["prefetch_useful"] > 0
+    assert (tmp / "plots" / "residency_lookahead.png").stat().st_size > 5000
 
 
 def test_bench_residency(runs, request):

@@ -25,6 +25,8 @@ def _load(**kw):
 @pytest.mark.parametrize("name,value", [
     ("expert_staging", ""), ("expert_staging", 2.5), ("expert_staging", True), ("expert_staging", 0),
     ("expert_prefetch", "pass"), ("expert_prefetch", -1), ("expert_prefetch", 1.0),
+    ("expert_lookahead", "next-layer"), ("expert_lookahead", 1), ("expert_lookahead", True),
+    ("expert_lookahead", ["pass"]), ("expert_lookahead", np.array(["both"])), ("expert_lookahead", ""),
     ("expert_stream_min_rows", "8"), ("expert_stream_min_rows", -3),
     ("expert_ring", "half"), ("expert_ring", math.nan), ("expert_ring", 1.5), ("expert_ring", True),
     ("expert_cold", "warm"), ("expert_cold", ["host"]), ("expert_cold", np.array(["host", "stream"])),
@@ -98,3 +100,18 @@ def test_fuzz_residency_options(options):
         _load(**options)
     except SharpiError as e:
         assert "\n" not in str(e) and len(str(e)) < 400, str(e)
+
+
+def test_lookahead_modes_reach_the_plan():
+    """Each expert_lookahead mode is planned as given; static / frequency get a ring for what is fetched
+    ahead (`plan.LOOKAHEAD_RING_SHARE`), unless expert_ring says otherwise; without a budget it is named."""
+    from sharpi_jax.experts.residency.plan import LOOKAHEAD_RING_SHARE
+    for mode in residency.options.LOOKAHEAD_MODES:
+        e = _load(expert_budget="50%", expert_policy="static", expert_lookahead=mode)
+        for s in e.residency.plan.layers.values():
+            assert s.lookahead == mode
+            assert s.n_ring == (0 if mode == "none" else int(round(LOOKAHEAD_RING_SHARE * s.n_slots)))
+    e = _load(expert_budget="50%", expert_policy="static", expert_lookahead="both", expert_ring=0.25)
+    assert all(s.n_ring == int(round(0.25 * s.n_slots)) for s in e.residency.plan.layers.values())
+    with pytest.raises(InputError, match="expert_budget"):
+        _load(expert_lookahead="next_layer")

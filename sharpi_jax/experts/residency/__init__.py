@@ -9,6 +9,8 @@ the tokens are the all-resident tokens bit for bit, whatever the budget and poli
 - `counts`: calibrated routing counts for "frequency" (`calibrate`, saved beside the model);
 - `stats`: counters and what a run cost (hit rate, bytes streamed, host work);
 - `options`: the load options' types and ranges, checked before anything is planned;
+- `lookahead`: fetching ahead of need (`expert_lookahead`): layer L+1's predicted experts, a verify
+  pass's union kept for the pass;
 - this module: `configure` (the load options) and `Residency` (a plan bound to an open GGUF).
 
 Cold experts are served by `sharpi_jax.experts.streaming` (one host callback per layer and batch).
@@ -79,7 +81,7 @@ class Residency:
             return lut
         if name == "slot_expert":
             return ids.astype(np.int32)
-        zeros = {"stamp": (S,), "protected": (S,), "clock": (), "counts": (E,), "ctr": (len(CTR),)}
+        zeros = {"stamp": (S,), "protected": (S,), "clock": (), "counts": (E,), "ctr": (len(CTR),), "fresh": (S,)}
         return np.zeros(zeros[name], np.int32)
 
     # ----- counters -----
@@ -108,7 +110,8 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     expert_counts (dict or JSON path; default: the file beside the model), expert_staging (experts
     streamable per layer and batch, >= top-k), expert_ring (ring fraction of each layer's slots),
     expert_cold ("auto" | "stream" | "host"), expert_stream_min_rows, expert_prefetch (experts
-    madvise'd ahead per layer).
+    madvise'd ahead per layer), expert_lookahead ("none" | "next_layer" | "pass" | "both": experts
+    fetched into slots before a call needs them, `lookahead`).
     """
     expert_policy = check_policy(expert_policy)
     options = check_options(options)  # types and ranges, before anything is read or planned
@@ -134,7 +137,8 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     counts, source = load_counts(options.get("expert_counts"), f.path, config)
     plan = plan_residency(f, config, expert_budget, expert_policy, counts, counts_source=source,
                           staging=options.get("expert_staging"), ring=options.get("expert_ring"),
-                          cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"))
+                          cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"),
+                          lookahead=options.get("expert_lookahead"))
     prefetch = options["expert_prefetch"]
     return Residency(f, config, plan, counts, 16 if prefetch is None else prefetch)
 

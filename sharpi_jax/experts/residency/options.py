@@ -19,7 +19,10 @@ from sharpi_jax.experts.residency.policies import POLICIES
 from sharpi_jax.experts.streaming import COLD_MODES
 
 OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",
-                "expert_prefetch", "device_budget")
+                "expert_prefetch", "expert_lookahead", "device_budget")
+# expert_lookahead: what residency fetches ahead of need (see `lookahead`): nothing, layer L+1's predicted
+# experts while layer L runs, a verify pass's union streamed and kept for the pass, or both.
+LOOKAHEAD_MODES = ("none", "next_layer", "pass", "both")
 
 
 def _is_int(v: Any) -> bool:
@@ -66,6 +69,8 @@ def check_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if not ok or not math.isfinite(float(ring)) or not 0.0 <= float(ring) <= 1.0:
             raise InputError(f"expert_ring must be a fraction in [0, 1], got {shown(ring)}")
         out["expert_ring"] = float(ring)
+    if out["expert_lookahead"] is not None:
+        _choice("expert_lookahead", out["expert_lookahead"], LOOKAHEAD_MODES)
     if out["expert_cold"] is not None:
         _choice("expert_cold", out["expert_cold"], COLD_MODES)
     counts = out["expert_counts"]

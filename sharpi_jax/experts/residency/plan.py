@@ -18,7 +18,10 @@ speculative="mtp" is first used) and are outside the budget.
 Placement follows the policy (`policies`): each layer's initial slots are ordered by calibrated
 counts (or expert id), "frequency" spends the budget greedily across layers by count per byte with a
 per-layer floor of min(top_k, equal share) slots, the others round robin; the policy's ring share
-(or `expert_ring`) of each layer's slots forms the ring, the rest are pinned.
+(or `expert_ring`) of each layer's slots forms the ring, the rest are pinned. Under an
+`expert_lookahead` other than "none", a policy without a ring (static, frequency) gets
+`LOOKAHEAD_RING_SHARE` of each layer's slots as its ring (what is fetched ahead lands there; see
+`lookahead`); the budget is the same.
 """
 
 from __future__ import annotations
@@ -32,11 +35,20 @@ import numpy as np
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError, shown
 from sharpi_jax.quant import gguf_nbytes
+from sharpi_jax.experts.residency.options import LOOKAHEAD_MODES
 from sharpi_jax.experts.residency.policies import POLICIES, slot_policy
 from sharpi_jax.experts.streaming import COLD_MODES, DEFAULT_STREAM_MIN_ROWS
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.gguf.tensor_specs import expert_qtypes
 from sharpi_jax.model.weights import non_expert_bytes as model_non_expert_bytes
+
+
+# Lookahead modes that prefetch a layer's predicted experts / that stream a verify pass's union.
+PREDICT_MODES = ("next_layer", "both")
+PASS_MODES = ("pass", "both")
+# Ring share of each layer's slots under a lookahead when the policy has none (static / frequency):
+# what is fetched ahead lands in these slots; the rest stay pinned. `expert_ring` overrides it.
+LOOKAHEAD_RING_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +68,7 @@ class LayerSpec:
     cold: str
     stream_min_rows: int
     policy: str
+    lookahead: str = "none"  # `lookahead.LOOKAHEAD_MODES`
 
     @property
     def n_slots(self) -> int:
@@ -66,10 +79,31 @@ class LayerSpec:
         return self.n_slots - self.n_ring
 
     def n_stage(self, n_rows: int) -> int:
-        """Experts streamed for a bucket of n_rows rows (static): the staging size, 0 when host-computing."""
+        """Experts streamed for a bucket of n_rows rows (static): the staging size, 0 when host-computing.
+        With a "pass" lookahead every bucket of >= 2 rows may stream (a verify pass streams its union;
+        `stages_passes` says which of its calls do)."""
+        if self.cold == "host":
+            return 0
+        if self.cold == "auto" and n_rows < self.stream_min_rows and not self.stages_passes(n_rows):
+            return 0
+        return self.staging
+
+    def n_stage_auto(self, n_rows: int) -> int:
+        """`n_stage` without the pass rule: what a call of one valid row (decode) streams."""
         if self.cold == "host" or (self.cold == "auto" and n_rows < self.stream_min_rows):
             return 0
         return self.staging
+
+    def stages_passes(self, n_rows: int) -> bool:
+        """Whether a call of this bucket with more than one valid row (a verify pass) streams its cold
+        experts whatever the cold mode's row threshold ("pass" / "both" lookahead)."""
+        return self.lookahead in PASS_MODES and self.cold != "host" and n_rows >= 2
+
+    @property
+    def predicts(self) -> bool:
+        """Whether this layer's predicted experts are prefetched from the layer before ("next_layer" /
+        "both" lookahead, and a ring to put them in)."""
+        return self.lookahead in PREDICT_MODES and self.n_ring > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +152,11 @@ def layer_geometry(f: GGUFFile, c: ModelConfig) -> dict[int, tuple[tuple[int, in
 def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str = "frequency",
                    counts: Mapping[int, Sequence[int]] | None = None, *, counts_source: str | None = None,
                    staging: int | None = None, ring: float | None = None, cold: str | None = None,
-                   stream_min_rows: int | None = None) -> ResidencyPlan:
+                   stream_min_rows: int | None = None, lookahead: str | None = None) -> ResidencyPlan:
     """Place experts into per-layer slots within `expert_budget` bytes (see the module doc)."""
+    lookahead = lookahead or "none"
+    if lookahead not in LOOKAHEAD_MODES:
+        raise InputError(f"expert_lookahead must be one of {LOOKAHEAD_MODES}, got {shown(lookahead)}")
     if policy not in POLICIES:
         raise InputError(f"expert_policy must be one of {POLICIES}, got {shown(policy)}")
     if not c.is_moe:
@@ -162,6 +199,8 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
         warnings.warn("expert_policy='frequency' without calibrated counts: using the static order "
                       "(run Engine.calibrate_experts or sharpi_jax.experts.residency.calibrate)", stacklevel=3)
     ring_frac = pol.ring_share if ring is None else float(ring)
+    if ring is None and lookahead != "none":  # fetched-ahead experts need ring slots to land in
+        ring_frac = max(ring_frac, LOOKAHEAD_RING_SHARE)
     smr = DEFAULT_STREAM_MIN_ROWS if stream_min_rows is None else int(stream_min_rows)
     specs = {}
     for i in layers:
@@ -170,7 +209,7 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
         n_ring = 0 if full else int(round(ring_frac * n))
         specs[i] = LayerSpec(layer=i, n_expert=E, top_k=k, d_model=c.d_model, d_ff=c.expert_ff, qtypes=geo[i][0],
                              resident=tuple(order[:n]), n_ring=n_ring, bytes_per_expert=bpe[i], staging=staging,
-                             cold=cold, stream_min_rows=smr, policy=policy)
+                             cold=cold, stream_min_rows=smr, policy=policy, lookahead=lookahead)
     plan = ResidencyPlan(policy, budget, staging, specs, total, min_budget, counts_source)
     assert plan.slot_bytes + plan.staging_bytes <= budget or full, "planner exceeded the budget"
     return plan

@@ -34,13 +34,14 @@ from jax.experimental import io_callback
 from sharpi_jax.config import RunConfig
 from sharpi_jax.experts import dispatch
 from sharpi_jax.experts.provider import ExpertFormat, run_format
-from sharpi_jax.experts.residency.plan import LayerSpec
+from sharpi_jax.experts.residency import lookahead
+from sharpi_jax.experts.residency.plan import PASS_MODES, LayerSpec
 from sharpi_jax.experts.residency.policies import slot_policy
 from sharpi_jax.experts.streaming import MATRICES, Streamer
 
 # Device counters per layer (int32, cumulative; diff two snapshots for a run).
 CTR = ("batches", "rows", "pairs", "hits", "misses", "slow_batches", "streamed", "host_experts",
-       "host_pairs", "evicted", "ring_inserts", "unique")
+       "host_pairs", "evicted", "ring_inserts", "unique", "ahead_streamed", "ahead_useful", "ahead_useless")
 _C = {n: i for i, n in enumerate(CTR)}
 
 
@@ -113,8 +114,15 @@ class ResidentExperts(nnx.Module):
         self.clock = ExpertCache(jnp.zeros((), i32))
         self.counts = ExpertCache(jnp.zeros((E,), i32))
         self.ctr = ExpertCache(jnp.zeros((len(CTR),), i32))
+        self.fresh = ExpertCache(jnp.zeros((S,), i32))  # prefetched, not yet used by a call
 
-    _SMALL = ("lut", "slot_expert", "stamp", "protected", "clock", "counts", "ctr")
+    _SMALL = ("lut", "slot_expert", "stamp", "protected", "clock", "counts", "ctr", "fresh")
+
+    @property
+    def predicts(self) -> bool:
+        """Whether the trunk should call `prefetch` with this layer's predicted experts (the block before
+        applies this layer's router early: `model.moe.MoE.prefetch`)."""
+        return self.spec.predicts
 
     @staticmethod
     def _weights(stack):
@@ -140,6 +148,8 @@ class ResidentExperts(nnx.Module):
         v["counts"] = v["counts"] + batch_counts
         v["clock"] = v["clock"] + 1
         used = jnp.zeros((S + 1,), bool).at[jnp.where(hit, slot, S).reshape(-1)].set(True)[:S]
+        if s.predicts:  # what the prefetch before this call brought: used now, or not
+            v["ctr"], v["fresh"] = lookahead.score_prefetch(v["ctr"], v["fresh"], used, _C)
         if s.n_ring:
             v = slot_policy(s.policy).touch(v, used & (jnp.arange(S) >= s.n_pin), s.n_ring)
         no_write = jnp.full((self._n_write(N),), S, jnp.int32)
@@ -182,15 +192,18 @@ class ResidentExperts(nnx.Module):
         E, S, D, F = s.n_expert, s.n_slots, s.d_model, s.d_ff
         hit = slot >= 0
         m_max = min(N * k, E)
-        n_stage = s.n_stage(N)
-        with_host = n_stage < m_max
+        n_stage = s.n_stage(N)  # static: the staging this bucket may fill
+        with_host = s.n_stage_auto(N) < m_max
+        n_dyn = n_stage  # how many a call streams: a verify pass (> 1 valid row) n_stage, decode the auto rule
+        if s.stages_passes(N):
+            n_dyn = jnp.where(vmask[:, 0].sum() > 1, n_stage, s.n_stage_auto(N))
         mcount = jnp.bincount(jnp.where(hit, E, sel).reshape(-1), length=E + 1)[:E]
         order = jnp.argsort(-mcount, stable=True)[:m_max].astype(jnp.int32)  # most rows first
         is_miss = mcount[order] > 0
         rank = jnp.arange(m_max)
-        stream_ids = jnp.pad(jnp.where(is_miss & (rank < n_stage), order, -1)[:n_stage],
+        stream_ids = jnp.pad(jnp.where(is_miss & (rank < n_dyn), order, -1)[:n_stage],
                              (0, max(0, n_stage - m_max)), constant_values=-1)
-        host_ids = jnp.where(is_miss & (rank >= n_stage), order, -1)
+        host_ids = jnp.where(is_miss & (rank >= n_dyn), order, -1)
         shapes = []
         if n_stage:
             src = self.streamer.sources[s.layer]
@@ -207,7 +220,8 @@ class ResidentExperts(nnx.Module):
         if n_stage:
             staged = {m: self.format.pack(res[j], m) for j, m in enumerate(MATRICES)}
             if s.n_ring:
-                v, ctr, tgt = self._insert(v, ctr, stream_ids, used)
+                keep = lookahead.protected(v, used, s) if s.lookahead in PASS_MODES else used
+                v, ctr, tgt = self._insert(v, ctr, stream_ids, keep)
         v["ctr"] = ctr
         # Pair -> index into [slot stack ; staging], or -1 for host-computed pairs.
         pos = jnp.full((E + 1,), -1, jnp.int32)
@@ -228,9 +242,48 @@ class ResidentExperts(nnx.Module):
             y = res[-1]
         return dispatch.weighted_reduce(y, w.astype(jnp.float32)), v, staged, tgt
 
+    def prefetch(self, pred: jax.Array, valid: jax.Array | None) -> None:
+        """Fetch the experts predicted for this layer's next call (pred int32 [N, k]: this layer's router
+        applied early to the rows the block before outputs) into ring slots, in one batch: the
+        non-resident ones, most predicted rows first, at most min(staging, ring) (see `lookahead`).
+        Changes where experts sit, never what a call computes."""
+        s = self.spec
+        N, k = pred.shape
+        S = s.n_slots
+        n_pre = min(s.staging, s.n_ring, N * k, s.n_expert)
+        if not s.predicts or n_pre == 0:
+            return
+        v = {name: getattr(self, name).get_value() for name in self._SMALL}
+        stack = {m: getattr(self, m).get_value() for m in MATRICES}
+        vmask = jnp.ones((N, k), bool) if valid is None else jnp.broadcast_to(valid[:, None], (N, k))
+        ids, keep = lookahead.plan_prefetch(v, pred, vmask, s, n_pre)
+        upcoming = v["clock"] + 1  # the clock of this layer's next call: the pass these are for
+        v["stamp"] = jnp.where(keep & (jnp.arange(S) >= s.n_pin), upcoming, v["stamp"])
+
+        def fetch(v, stack):
+            src = self.streamer.sources[s.layer]
+            shapes = tuple(jax.ShapeDtypeStruct((n_pre,) + vw.shape[1:], jnp.uint8) for vw in src.views)
+            res = io_callback(functools.partial(self.streamer.fetch, s.layer, n_pre), shapes, ids, ordered=False)
+            ctr = v["ctr"].at[_C["ahead_streamed"]].add((ids >= 0).sum().astype(jnp.int32))
+            v, ctr, tgt = self._insert(v, ctr, ids, keep)
+            v["ctr"] = ctr
+            v["stamp"] = v["stamp"].at[tgt].set(upcoming, mode="drop")
+            v["fresh"] = v["fresh"].at[tgt].set(1, mode="drop")
+            put = lambda a, b: a.at[tgt].set(b, mode="drop")  # noqa: E731
+            new = {m: self.format.pack(res[j], m) for j, m in enumerate(MATRICES)}
+            stack = {m: dataclasses.replace(stack[m], data=jax.tree.map(put, stack[m].data, new[m].data))
+                     for m in MATRICES}
+            return v, stack
+
+        v, stack = jax.lax.cond(ids[0] >= 0, fetch, lambda v, stack: (v, stack), v, stack)
+        for name in self._SMALL:
+            getattr(self, name).set_value(v[name])
+        for m in MATRICES:
+            getattr(self, m).set_value(stack[m])
+
     def _insert(self, v, ctr, stream_ids, used):
         """Ring victims for the streamed experts (chosen by the layer's policy) and the bookkeeping;
-        returns the slots to overwrite (S: none)."""
+        returns the slots to overwrite (S: none). used [S]: slots that may not be victims."""
         s = self.spec
         E, S = s.n_expert, s.n_slots
         policy = slot_policy(s.policy)

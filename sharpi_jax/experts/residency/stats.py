@@ -40,7 +40,13 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
     the mmap into staging (per processed token); callbacks / callback_s: host callbacks and their
     time (host compute included, host_compute_s alone); experts_host_computed / host_bytes_read;
     experts_evicted / ring_inserts (lru/slru); all_hot_batches: layer calls with no miss (no
-    callback); unique_experts_per_batch; per_layer: the raw counters."""
+    callback); unique_experts_per_batch; per_layer: the raw counters.
+
+    Demand vs lookahead (`lookahead`): hits / misses are (row, expert) pairs found resident or not at
+    the call (fetched-ahead experts count as hits); bytes_demand = bytes_streamed + host_bytes_read
+    (the cold experts' bytes the calls waited for, streamed or computed on the host);
+    experts_prefetched / bytes_prefetched (fetched ahead, off the call), prefetch_useful / _useless
+    (fetched experts the next call used / did not); bytes_moved = bytes_demand + bytes_prefetched."""
     layers = sorted(after["device"])
     d = {i: {n: after["device"][i][n] - before["device"][i][n] for n in CTR} for i in layers}
     h = {n: {i: after["host"][n][i] - before["host"][n][i] for i in layers} for n in after["host"]}
@@ -48,8 +54,12 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
     hits = sum(d[i]["hits"] for i in layers)
     tokens = d[layers[0]]["rows"] if layers else 0
     streamed_bytes = sum(h["streamed_bytes"].values())
+    host_bytes = sum(h["host_bytes"].values())
+    ahead_bytes = sum(h["ahead_bytes"].values())
+    total = lambda name: sum(d[i][name] for i in layers)  # noqa: E731
     return {
         "policy": plan.policy,
+        "lookahead": sorted({s.lookahead for s in plan.layers.values()}),
         "budget_bytes": plan.budget,
         "resident_bytes": plan.slot_bytes,
         "staging_bytes": plan.staging_bytes,
@@ -70,7 +80,15 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
         "bytes_streamed": streamed_bytes,
         "bytes_streamed_per_token": streamed_bytes / tokens if tokens else 0.0,
         "experts_host_computed": sum(d[i]["host_experts"] for i in layers),
-        "host_bytes_read": sum(h["host_bytes"].values()),
+        "host_bytes_read": host_bytes,
+        "hits": hits,
+        "misses": pairs - hits,
+        "bytes_demand": streamed_bytes + host_bytes,
+        "experts_prefetched": total("ahead_streamed"),
+        "bytes_prefetched": ahead_bytes,
+        "prefetch_useful": total("ahead_useful"),
+        "prefetch_useless": total("ahead_useless"),
+        "bytes_moved": streamed_bytes + host_bytes + ahead_bytes,
         "experts_evicted": sum(d[i]["evicted"] for i in layers),
         "ring_inserts": sum(d[i]["ring_inserts"] for i in layers),
         "prefetched_experts": sum(h["prefetch_experts"].values()),
