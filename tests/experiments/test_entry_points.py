@@ -331,6 +331,7 @@ def test_bench_ggml(runs, request):
         _check_spread(r, "ms", rounds=2)
 
 
+@pytest.mark.slow  # ~150 s of engines; the lookahead itself is tested in tests/experts/test_lookahead.py
 def test_bench_residency_lookahead(runs, request):
     """The lookahead grid on the default model: one budget, lru with and without next_layer, MTP off / on."""
     tmp, res = result(runs, request)
