@@ -18,6 +18,7 @@ from sharpi_jax.quant import qtensor
 from sharpi_jax.quant.backends.xla import quantize_rows_int8
 from pallas_kernels import quant_blocks as qb
 from tests.bitwise import assert_bitwise_equal
+from tests.cuda_lowering import lower_for_cuda
 from tests.gguf.test_quants import _random_blocks as random_blocks
 
 Q = gguf.GGMLQuantizationType
@@ -200,14 +201,9 @@ def test_matmul_shape_mismatch_is_a_clear_error():
 def test_kernel_layout_lowers_for_triton_on_cpu():
     """The Pallas backend's dense matmul (one group of the grouped kernel) lowers for CUDA here."""
     w = pack(jnp.asarray(_raw(Q.Q4_K, np.random.default_rng(9))), int(Q.Q4_K), (N, K), "kernel")
-    try:
-        lowered = jax.jit(lambda x, w: matmul(x, w, interpret=False)).trace(
-            jnp.zeros((2, K)), w).lower(lowering_platforms=("cuda",))
-    except Exception as e:  # pragma: no cover - depends on the jaxlib build
-        if "cuda" in str(e).lower() and "platform" in str(e).lower():
-            pytest.skip(f"this jaxlib cannot lower for CUDA without a GPU: {e}")
-        raise
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    text = lower_for_cuda(lambda: jax.jit(lambda x, w: matmul(x, w, interpret=False)).trace(
+        jnp.zeros((2, K)), w).lower(lowering_platforms=("cuda",)))
+    assert "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.parametrize("layout", ["soa", "blocks"])
