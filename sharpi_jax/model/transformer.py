@@ -97,12 +97,11 @@ class Block(nnx.Module):
             m, k, v, q = self.mixer(a, positions, valid, cache.k, cache.v, tree, cache.slot_pos, cache.shift,
                                     with_q=True)
             return m, cache._replace(k=k, v=v), None, q
+        n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
         if mode == "recurrent":
             parent = None if tree is None else tree.parent
-            n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
             m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm, parent, n_valid)
             return m, cache, GDNCache(conv_snaps, ssm_snaps), None
-        n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
         form = self.mixer.chunked if mode == "chunked" else self.mixer.sequential
         m, conv, ssm = form(a, valid, n_valid, cache.conv, cache.ssm)
         return m, GDNCache(conv, ssm), None, None
