@@ -108,6 +108,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/model/test_attention.py", "tests/runtime/test_steps.py"),
     ),
     Mutation(
+        "tree_over_snapkv_logical_slots",
+        "tree verify over a SnapKV-evicted cache == decode along each root path, bitwise",
+        "sharpi_jax/model/attention.py",
+        (("base = base if shift is None else base - shift",
+          "base = base  # MUTATION: the tree's slots at its logical position"),),
+        ("tests/model/test_attention.py::test_tree_rows_equal_decode_along_their_root_path_across_a_chunk_boundary",),
+        ("tests/model/test_attention.py",),
+    ),
+    Mutation(
         "causal_mask_drops_diagonal",
         "F32 logits vs transformers <= 1e-6 (each row attends to itself and the past)",
         "sharpi_jax/model/attention.py",

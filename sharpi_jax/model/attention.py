@@ -64,7 +64,9 @@ def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
     untouched (`where`, not arithmetic), so a row's result depends only on its own chunks 0..c(row),
     not on how many rows run together or how far the others reach.
     Tree rows read each view slot through `view_columns` (the context from the chunk, the tree region
-    from one block of C physical slots at the tree's base, scored with the same shapes)."""
+    from one block of C physical slots at the tree's base, scored with the same shapes) and see a tree
+    slot when it holds an ancestor; over a compacted cache (slot_pos, shift) the tree's slots start at
+    its base position - shift, as a decode row's would."""
     Hkv, GT, hd = qh.shape
     T = positions.shape[0]
     G = GT // T
@@ -79,7 +81,9 @@ def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
         return jnp.einsum("bmd,bsd->bms", qh, k) * scale
 
     if tree is not None:
-        base = positions[0] - tree.depth[0]
+        base = positions[0] - tree.depth[0]  # the tree's base: logical, then its physical slot
+        base = base if shift is None else base - shift
+        W = tree.anc.shape[1]
         idx = jnp.clip(base + jnp.arange(C, dtype=jnp.int32), 0, S - 1)
         tree_k, tree_v = cache_k[:, idx, :], cache_v[:, idx, :]  # the tree region's physical slots
         tree_s = scores_of(tree_k)
@@ -100,6 +104,10 @@ def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
         else:
             sp = jax.lax.dynamic_slice_in_dim(slot_pos, s0, C, axis=1)
             seen = sp[:, None, :] <= row_pos  # [Hkv, T, C]
+        if tree is not None:  # the tree region: a row sees its ancestors (depth <= its own), not by slot
+            rel = slots - base
+            in_tree = (rel >= 0) & (rel < W)
+            seen = jnp.where(in_tree[None, None, :], (rel[None, :] <= tree.depth[:, None])[None], seen)
         seen = jnp.broadcast_to(seen[:, None], (seen.shape[0], G, T, C)).reshape(-1, GT, C)
         sc = jnp.where(seen, sc, -jnp.inf)
         live = jnp.any(seen, axis=-1, keepdims=True)  # rows that see a slot of this chunk
@@ -142,8 +150,6 @@ class GatedAttention(nnx.Module):
         tree: draft-tree rows (K/V written to tree.slots, each row sees the context and its ancestors,
         `sharpi_jax.model.tree`); positions[0] - tree.depth[0] is the tree's base position.
         slot_pos [Hkv, S], shift: an evicted (SnapKV-compacted) cache, `sharpi_jax.model.cache.AttnCache`."""
-        if tree is not None and slot_pos is not None:
-            raise ValueError("tree verify over an evicted (SnapKV) KV cache is not supported")
         T = x.shape[0]
         Hq, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
         G = Hq // Hkv

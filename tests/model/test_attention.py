@@ -29,11 +29,12 @@ def _q(T, seed=1):
     return np.random.default_rng(seed).standard_normal((HKV, G, T, HD)).astype(np.float32)
 
 
-def _run(q, k, v, positions, valid=None, tree=None):
+def _run(q, k, v, positions, valid=None, tree=None, slot_pos=None, shift=None):
     T = q.shape[2]
     valid = np.ones(T, bool) if valid is None else valid
     o = _attend(jnp.asarray(q.reshape(HKV, G * T, HD)), SCALE, jnp.asarray(k), jnp.asarray(v),
-                jnp.asarray(positions, jnp.int32), jnp.asarray(valid), tree)
+                jnp.asarray(positions, jnp.int32), jnp.asarray(valid), tree,
+                None if slot_pos is None else jnp.asarray(slot_pos), None if shift is None else jnp.int32(shift))
     return np.asarray(o).reshape(HKV, G, T, HD)
 
 
@@ -71,11 +72,21 @@ def test_rows_are_bitwise_independent_of_their_batch(positions):
         assert_bitwise_equal(batch[:, :, t], one[:, :, 0])
 
 
-def test_tree_rows_equal_decode_along_their_root_path_across_a_chunk_boundary():
+@pytest.mark.parametrize("evicted", [False, True], ids=["full", "snapkv"])
+def test_tree_rows_equal_decode_along_their_root_path_across_a_chunk_boundary(evicted):
     """A draft tree whose base sits 2 slots before a chunk boundary: every node attends (bitwise) as a
-    single decode row whose cache holds the node's root path at slots base .. base + depth."""
+    single decode row whose cache holds the node's root path at slots base .. base + depth. snapkv: the
+    context compacted (per KV head, a different subset of 600 positions kept in 254 slots, shift 346),
+    the tree at logical positions 600.., physical slots 254..: still decode's bits along each path."""
     k, v = _cache()
     base = CHUNK - 2
+    slot_pos = shift = None
+    logical = base
+    if evicted:
+        shift, logical = 346, base + 346
+        rng = np.random.default_rng(11)
+        slot_pos = np.stack([np.concatenate([np.sort(rng.choice(logical, base, replace=False)),
+                                             np.arange(base, S) + shift]) for _ in range(HKV)]).astype(np.int32)
     parent = [-1, 0, 0, 1, 1, 3, 2]
     T = len(parent)
     depth, par, anc = tree_arrays(parent, T)
@@ -87,11 +98,11 @@ def test_tree_rows_equal_decode_along_their_root_path_across_a_chunk_boundary():
     q = _q(T, seed=3)
     tree = TreeRows(jnp.asarray(depth), jnp.asarray(par), jnp.asarray(base + np.arange(T, dtype=np.int32)),
                     jnp.asarray(base + anc))
-    out = _run(q, tk, tv, base + depth, tree=tree)
+    out = _run(q, tk, tv, logical + depth, tree=tree, slot_pos=slot_pos, shift=shift)
     for t in range(T):
         path = [int(anc[t, d]) for d in range(depth[t] + 1)]  # root .. t, as rows
         dk, dv = k.copy(), v.copy()
         dk[:, base:base + len(path)], dv[:, base:base + len(path)] = new_k[:, path], new_v[:, path]
         one = _run(np.concatenate([q[:, :, t:t + 1], q[:, :, :1]], axis=2), dk, dv,
-                   np.array([base + depth[t], 0], np.int32), np.array([True, False]))
+                   np.array([logical + depth[t], 0], np.int32), np.array([True, False]), slot_pos=slot_pos, shift=shift)
         assert_bitwise_equal(out[:, :, t], one[:, :, 0])
