@@ -83,16 +83,26 @@ void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
   st->cv.wait(lock, [&] { return st->active.load() == 0; });
 }
 
+// Below this many multiply-adds a loop runs on the calling thread: handing units to another thread
+// (a task, a wake-up, a condition variable) costs tens of microseconds, more than a tiny model's
+// products. Results do not depend on it (row-stable kernels give the same bits on any thread count).
+constexpr int64_t kMinParallelWork = int64_t{1} << 20;
+
 struct Pool {
   int threads;
   Spawn spawn;
-  void run(int64_t n, const Body& fn) const { parallel_for(n, threads, spawn, fn); }
+  int64_t min_work = kMinParallelWork;  // 0: always spread (the host path: its caller picks `threads`)
+  // `work`: about how many multiply-adds the n units take together.
+  void run(int64_t n, int64_t work, const Body& fn) const {
+    parallel_for(n, work < min_work ? 1 : threads, spawn, fn);
+  }
 };
 
-// Host pool: threads spawned per call (the host path computes a few cold experts at a time).
+// Host pool: threads spawned per call (the host path computes a few cold experts at a time), spread
+// whatever the size, so the tests' threads=2 runs exercise the parallel loops on small shapes too.
 Pool host_pool(int threads) {
   if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  return Pool{threads, [](std::function<void()> task) { std::thread(std::move(task)).detach(); }};
+  return Pool{threads, [](std::function<void()> task) { std::thread(std::move(task)).detach(); }, 0};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -171,9 +181,9 @@ void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const u
   if (m_rows <= 0 || n_rows == 0) return;
   Kernel kr(qtype, k);
   std::vector<uint8_t> q(kr.q_row * m_rows);
-  pool.run(m_rows, [&](int64_t m) { kr.quantize(x + m * k, q.data() + m * kr.q_row); });
+  pool.run(m_rows, m_rows * k * 8, [&](int64_t m) { kr.quantize(x + m * k, q.data() + m * kr.q_row); });
   int64_t tiles = (n_rows + kTileRows - 1) / kTileRows;
-  pool.run(tiles, [&](int64_t t) {
+  pool.run(tiles, m_rows * n_rows * k, [&](int64_t t) {
     int64_t n0 = t * kTileRows, n1 = std::min(n_rows, n0 + kTileRows);
     tile_product(kr, w, q.data(), m_rows, n0, n1, y, n_rows);
   });
@@ -225,7 +235,7 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
   const size_t gate_expert = ew.f * kg.w_row, up_expert = ew.f * ku.w_row, down_expert = ew.d * kd.w_row;
 
   // Phase A units: (group, F-tile, gate or up); a unit keeps its 16 weight rows hot over the group's pairs.
-  pool.run(static_cast<int64_t>(groups.size()) * f_tiles * 2, [&](int64_t u) {
+  pool.run(static_cast<int64_t>(groups.size()) * f_tiles * 2, 2 * n_pairs * F * D, [&](int64_t u) {
     const bool is_up = u & 1;
     u >>= 1;
     const Group& grp = groups[u / f_tiles];
@@ -239,12 +249,12 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
       for (int64_t n = n0; n < n1; ++n) out[p * F + n] = kr.dot(w + n * kr.w_row, xp);
     }
   });
-  pool.run(n_pairs, [&](int64_t p) {
+  pool.run(n_pairs, n_pairs * F * 8, [&](int64_t p) {
     std::vector<float> h(F);
     silu_mul(gate.data() + p * F, up.data() + p * F, h.data(), F);
     kd.quantize(h.data(), hq.data() + p * kd.q_row);
   });
-  pool.run(static_cast<int64_t>(groups.size()) * d_tiles, [&](int64_t u) {
+  pool.run(static_cast<int64_t>(groups.size()) * d_tiles, n_pairs * F * D, [&](int64_t u) {
     const Group& grp = groups[u / d_tiles];
     int64_t n0 = (u % d_tiles) * kTileRows, n1 = std::min(D, n0 + kTileRows);
     const uint8_t* wd = ew.down + grp.expert * down_expert;
@@ -271,11 +281,11 @@ std::string expert_rows(const Pool& pool, const float* x, const int32_t* ids, in
   if (n_tok == 0 || k_top == 0) return "";
   Kernel kg(ew.gate_type, ew.d), ku(ew.up_type, ew.d), kd(ew.down_type, ew.f);
   std::vector<uint8_t> xq_g(n_tok * kg.q_row), xq_u;
-  pool.run(n_tok, [&](int64_t i) { kg.quantize(x + i * ew.d, xq_g.data() + i * kg.q_row); });
+  pool.run(n_tok, n_tok * ew.d * 8, [&](int64_t i) { kg.quantize(x + i * ew.d, xq_g.data() + i * kg.q_row); });
   const uint8_t* xq_up = xq_g.data();
   if (ku.from_float != kg.from_float) {  // gate and up differ in vec_dot_type: quantize once for each
     xq_u.resize(n_tok * ku.q_row);
-    pool.run(n_tok, [&](int64_t i) { ku.quantize(x + i * ew.d, xq_u.data() + i * ku.q_row); });
+    pool.run(n_tok, n_tok * ew.d * 8, [&](int64_t i) { ku.quantize(x + i * ew.d, xq_u.data() + i * ku.q_row); });
     xq_up = xq_u.data();
   }
   if (mode == 0) {

@@ -5,10 +5,12 @@ rope; softmax(q k^T / sqrt(hd)) v per q-head (GQA: q-head h reads kv-head h // (
 is multiplied by sigmoid(gate) (the un-normalised gate) before W_o.
 
 Cache layout per layer: k and v [Hkv, S, hd] float32 (S = max_context), post-norm post-rope K, raw V.
-New rows are scattered to their positions first (invalid rows are dropped), then every row attends over
-the WHOLE cache with the mask `kv_pos <= row_pos`. The reduction over S therefore has the same shape
-and order for a single decode row and for a row of a multi-row verify: masked entries contribute exact
-zeros, so per-row results are bitwise independent of how many rows are processed together.
+New rows are scattered to their positions first (invalid rows are dropped), then every row attends with
+the mask `kv_pos <= row_pos` over the chunks of the cache that some valid row can see (`attend`: an
+online softmax over aligned chunks, so a step costs the used context, not max_context). Every chunk is
+computed with the same shapes for a single decode row and for a row of a multi-row verify, a chunk a
+row cannot see leaves it untouched, and the softmax denominator is a fixed pairwise sum: per-row
+results are bitwise independent of how many rows are processed together.
 
 A compacted cache (SnapKV eviction) passes `slot_pos` [Hkv, S] (the logical position of each slot, per
 KV head) and `shift`: rows are written to slot position - shift and the mask is
@@ -23,7 +25,109 @@ from flax import nnx
 
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.model.layers import Linear, RMSNorm, rope_neox
-from sharpi_jax.model.tree import TreeRows, view_scores, view_sources, view_values
+from sharpi_jax.model.tree import TreeRows, view_columns
+
+
+CHUNK = 256  # KV slots per attention chunk (when it divides max_context)
+
+
+def chunk_size(n_slots: int) -> int:
+    """Slots per chunk for a cache of n_slots: CHUNK when it divides n_slots, else one chunk of them all
+    (aligned chunks: a chunk never straddles the end of the cache)."""
+    return CHUNK if n_slots > CHUNK and n_slots % CHUNK == 0 else n_slots
+
+
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a fixed pairwise tree of elementwise adds -> [..., 1]. XLA:CPU's reduce
+    picks its summation order from the shape (8 or more rows are vectorised across rows), which would
+    make a row's softmax denominator depend on how many rows run together; elementwise adds cannot."""
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:  # zero padding: x + 0 == x for the non-negative probabilities summed here
+        x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (width - n,), x.dtype)], axis=-1)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x
+
+
+def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array,
+           valid: jax.Array, tree: TreeRows | None = None, slot_pos: jax.Array | None = None,
+           shift: jax.Array | None = None) -> jax.Array:
+    """softmax(scale * q k^T) v over the used chunks of the cache: qh [Hkv, G*T, hd] (row m = g*T + t)
+    -> [Hkv, G*T, hd].
+
+    An online softmax over aligned chunks of `chunk_size(S)` slots, visiting chunks 0 .. the last one
+    any valid row can see (a `fori_loop` with a data-dependent trip count), so a step reads the used
+    part of the cache, not all max_context slots. Bit parity: every chunk is computed with the same
+    shapes whatever the rows; a chunk in which a row sees nothing leaves that row's (max, sum, acc)
+    untouched (`where`, not arithmetic), so a row's result depends only on its own chunks 0..c(row),
+    not on how many rows run together or how far the others reach.
+    Tree rows read each view slot through `view_columns` (the context from the chunk, the tree region
+    from one block of C physical slots at the tree's base, scored with the same shapes) and see a tree
+    slot when it holds an ancestor; over a compacted cache (slot_pos, shift) the tree's slots start at
+    its base position - shift, as a decode row's would."""
+    Hkv, GT, hd = qh.shape
+    T = positions.shape[0]
+    G = GT // T
+    S = cache_k.shape[1]
+    C = chunk_size(S)
+    # The last view slot any valid row reads: its own position (compacted: its slot, position - shift).
+    reach = positions if shift is None else positions - shift
+    n_chunks = jnp.max(jnp.where(valid, reach, 0)) // C + 1
+    row_pos = positions[None, :, None]  # [1, T, 1]
+
+    def scores_of(k):  # [Hkv, C, hd] -> [Hkv, G*T, C]
+        return jnp.einsum("bmd,bsd->bms", qh, k) * scale
+
+    if tree is not None:
+        base = positions[0] - tree.depth[0]  # the tree's base: logical, then its physical slot
+        base = base if shift is None else base - shift
+        W = tree.anc.shape[1]
+        idx = jnp.clip(base + jnp.arange(C, dtype=jnp.int32), 0, S - 1)
+        tree_k, tree_v = cache_k[:, idx, :], cache_v[:, idx, :]  # the tree region's physical slots
+        tree_s = scores_of(tree_k)
+
+    def body(c, carry):
+        m, l, acc = carry
+        s0 = c * C
+        k = jax.lax.dynamic_slice_in_dim(cache_k, s0, C, axis=1)
+        v = jax.lax.dynamic_slice_in_dim(cache_v, s0, C, axis=1)
+        slots = s0 + jnp.arange(C, dtype=jnp.int32)
+        sc = scores_of(k)
+        if tree is not None:
+            col = view_columns(tree.anc, base, slots, C)  # [T, C] into [chunk | tree block]
+            both = jnp.concatenate([sc, tree_s], axis=-1).reshape(Hkv, G, T, 2 * C)
+            sc = jnp.take_along_axis(both, col[None, None], axis=3).reshape(Hkv, GT, C)
+        if slot_pos is None:
+            seen = slots[None, None, :] <= row_pos  # [1, T, C]
+        else:
+            sp = jax.lax.dynamic_slice_in_dim(slot_pos, s0, C, axis=1)
+            seen = sp[:, None, :] <= row_pos  # [Hkv, T, C]
+        if tree is not None:  # the tree region: a row sees its ancestors (depth <= its own), not by slot
+            rel = slots - base
+            in_tree = (rel >= 0) & (rel < W)
+            seen = jnp.where(in_tree[None, None, :], (rel[None, :] <= tree.depth[:, None])[None], seen)
+        seen = jnp.broadcast_to(seen[:, None], (seen.shape[0], G, T, C)).reshape(-1, GT, C)
+        sc = jnp.where(seen, sc, -jnp.inf)
+        live = jnp.any(seen, axis=-1, keepdims=True)  # rows that see a slot of this chunk
+        m_new = jnp.where(live, jnp.maximum(m, jnp.max(sc, axis=-1, keepdims=True)), m)
+        p = jnp.where(seen, jnp.exp(sc - m_new), 0.0)
+        alpha = jnp.exp(m - m_new)
+        if tree is None:
+            pv = jnp.einsum("bms,bsd->bmd", p, v)
+        else:
+            vv = jnp.concatenate([v, tree_v], axis=1)[:, col, :]  # [Hkv, T, C, hd]: each row's view
+            pt = p.reshape(Hkv, G, T, C).transpose(0, 2, 1, 3)
+            pv = jnp.einsum("btgs,btsd->btgd", pt, vv).transpose(0, 2, 1, 3).reshape(Hkv, GT, hd)
+        l = jnp.where(live, l * alpha + pairwise_sum(p), l)
+        acc = jnp.where(live, acc * alpha + pv, acc)
+        return m_new, l, acc
+
+    init = (jnp.full((Hkv, GT, 1), -jnp.inf, jnp.float32), jnp.zeros((Hkv, GT, 1), jnp.float32),
+            jnp.zeros((Hkv, GT, hd), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    return acc / l
 
 
 class GatedAttention(nnx.Module):
@@ -46,8 +150,6 @@ class GatedAttention(nnx.Module):
         tree: draft-tree rows (K/V written to tree.slots, each row sees the context and its ancestors,
         `sharpi_jax.model.tree`); positions[0] - tree.depth[0] is the tree's base position.
         slot_pos [Hkv, S], shift: an evicted (SnapKV-compacted) cache, `sharpi_jax.model.cache.AttnCache`."""
-        if tree is not None and slot_pos is not None:
-            raise ValueError("tree verify over an evicted (SnapKV) KV cache is not supported")
         T = x.shape[0]
         Hq, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
         G = Hq // Hkv
@@ -70,23 +172,7 @@ class GatedAttention(nnx.Module):
         cache_v = cache_v.at[:, idx, :].set(v.transpose(1, 0, 2), mode="drop")
 
         qh = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3).reshape(Hkv, G * T, hd)
-        scores = jnp.einsum("bmd,bsd->bms", qh, cache_k) * jnp.float32(1.0 / (hd ** 0.5))
-        if tree is not None:
-            src = view_sources(tree.anc, positions[0] - tree.depth[0], S)
-            scores = view_scores(scores, src)
-        if slot_pos is None:
-            mask = jnp.arange(S, dtype=jnp.int32)[None, :] <= positions[:, None]  # [T, S]
-            mask = jnp.broadcast_to(mask[None], (G, T, S)).reshape(1, G * T, S)
-        else:
-            mask = slot_pos[:, None, :] <= positions[None, :, None]  # [Hkv, T, S]
-            mask = jnp.broadcast_to(mask[:, None], (Hkv, G, T, S)).reshape(Hkv, G * T, S)
-        scores = jnp.where(mask, scores, -jnp.inf)
-        p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        p = p / jnp.sum(p, axis=-1, keepdims=True)
-        if tree is None:
-            o = jnp.einsum("bms,bsd->bmd", p, cache_v)  # [Hkv, G*T, hd]
-        else:
-            o = view_values(p, cache_v, src)
+        o = attend(qh, jnp.float32(1.0 / (hd ** 0.5)), cache_k, cache_v, positions, valid, tree, slot_pos, shift)
         o = o.reshape(Hkv, G, T, hd).transpose(2, 0, 1, 3).reshape(T, Hq, hd)
         o = o * jax.nn.sigmoid(gate)
         out = self.w_o(o.reshape(T, Hq * hd), n_valid)

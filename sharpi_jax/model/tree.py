@@ -7,9 +7,10 @@ K/V to the PHYSICAL slot slots[t] (base + t: siblings share a logical position, 
 Attention: a row must give bitwise the result of a single-token decode along its root path, whose cache
 holds the path's K/V at slots base..base + depth. So each row reads the cache through its own view:
 slot s < base is the context, slot base + d (d <= depth) is its ancestor at depth d (`anc[t, d]`, a
-physical slot), slots past its position are masked exactly as in decode. The scores are computed once
-against the physical cache (an elementwise product per (row, slot)), then gathered into each row's
-view; softmax and the value sum run over the view, so every reduction has decode's order and operands.
+physical slot), slots past its position are masked exactly as in decode. Scores are computed against
+physical slots with decode's shapes (a chunk of the context, and one block of physical slots at the
+tree's base holding the tree's rows), then gathered into each row's view (`view_columns`); softmax and
+the value sum run over the view, so every reduction has decode's order and operands.
 
 GDN: the recurrent form starts each row from its parent's snapshot (`parent`), see
 `GatedDeltaNet.recurrent`.
@@ -60,31 +61,14 @@ def tree_arrays(parent, n_valid: int, n_rows: int | None = None) -> tuple[np.nda
     return depth, par, anc
 
 
-def view_sources(anc: jax.Array, base: jax.Array, n_slots: int) -> jax.Array:
-    """[T, S] int32: the physical slot that row t reads at view slot s (s itself outside the tree
-    region [base, base + W) and for masked slots)."""
-    s = jnp.arange(n_slots, dtype=jnp.int32)
-    rel = s - base
+def view_columns(anc: jax.Array, base: jax.Array, slots: jax.Array, C: int) -> jax.Array:
+    """[T, n] int32: where row t finds view slot slots[j] in [a chunk of C physical slots starting at
+    slots[0] | a block of C physical slots starting at base]: the context slot itself (the chunk's
+    column j), or, in the tree region [base, base + W), its ancestor at that depth (anc[t, d], a
+    physical slot in the block; a tree spans fewer than C slots)."""
+    rel = slots - base
     W = anc.shape[1]
     in_tree = (rel >= 0) & (rel < W)
-    own = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel, 0, W - 1), (anc.shape[0], n_slots)), axis=1)
-    return jnp.where(in_tree[None, :], jnp.clip(own, 0, n_slots - 1), s[None, :])
-
-
-def view_scores(scores: jax.Array, src: jax.Array) -> jax.Array:
-    """Scores [Hkv, G*T, S] (row m = g*T + t) against the physical cache -> each row's view."""
-    Hkv, GT, S = scores.shape
-    T = src.shape[0]
-    x = scores.reshape(Hkv, GT // T, T, S)
-    return jnp.take_along_axis(x, src[None, None], axis=3).reshape(Hkv, GT, S)
-
-
-def view_values(p: jax.Array, cache_v: jax.Array, src: jax.Array) -> jax.Array:
-    """sum_s p[row, s] * v[view slot s of row]: p [Hkv, G*T, S], cache_v [Hkv, S, hd] -> [Hkv, G*T, hd]."""
-    Hkv, GT, S = p.shape
-    T = src.shape[0]
-    G = GT // T
-    v = cache_v[:, src, :]  # [Hkv, T, S, hd]: every row's own view of the values
-    pt = p.reshape(Hkv, G, T, S).transpose(0, 2, 1, 3)  # [Hkv, T, G, S]
-    o = jnp.einsum("btgs,btsd->btgd", pt, v)
-    return o.transpose(0, 2, 1, 3).reshape(Hkv, GT, -1)
+    own = jnp.take_along_axis(anc, jnp.broadcast_to(jnp.clip(rel, 0, W - 1), (anc.shape[0], slots.shape[0])), axis=1)
+    col = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    return jnp.where(in_tree[None, :], C + jnp.clip(own - base, 0, C - 1), col[None, :])

@@ -65,6 +65,18 @@ def test_verify_is_bitwise_sequential_decode(T):
     _check_verify_parity(engine(name, "F32"), prompt, tokens)
 
 
+def test_verify_parity_across_attention_chunks():
+    """Rows straddling an attention chunk boundary (positions 254..259 with 256-slot chunks): the verify
+    pass visits two chunks for every row, the single steps one or two; still bit for bit."""
+    from sharpi_jax.model.attention import chunk_size
+    name = "tiny-qwen35moe"
+    assert chunk_size(MAX_CONTEXT) == 256
+    ref = references(name)
+    base = ref["variants"][f"{name}-F32"]["tokens"][0]
+    prompt = (list(base) * (254 // len(base) + 1))[:254]
+    _check_verify_parity(engine(name, "F32"), prompt, ref["transformers"]["greedy"][0][:6])
+
+
 @pytest.mark.parametrize("T", [3])
 def test_verify_is_bitwise_sequential_decode_xla(T):
     """The same parity with kernels="xla", whose M = 1 products differ from M >= 2: decode must run its
