@@ -237,7 +237,8 @@ def _compare_line(c: dict) -> str:
 
     faster = c["speedup"] > 1.0
     verdict = (f"MTP is {'faster' if faster else 'SLOWER'} than MTP off on this model and machine"
-               + ("" if faster else " (speculation pays only where a trunk pass costs much more than a draft step)"))
+               + ("" if faster else (" (speculation pays only where a pass of k + 1 rows costs much less than k + 1 decode steps:"
+                                   " weight-bandwidth-bound models; a tiny model on a CPU is compute-bound)")))
     if not (c["mtp_decode_tok_s_min"] > c["off_decode_tok_s_max"] or c["mtp_decode_tok_s_max"] < c["off_decode_tok_s_min"]):
         verdict += ", though the two ranges overlap: within this run's noise"
     loops = c["loop"] if c["loop"] == c["off_loop"] else f"MTP off: {c['off_loop']}, MTP: {c['loop']}"
