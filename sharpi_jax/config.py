@@ -24,6 +24,7 @@ REPACKS = (None, "int8", "auto")  # explicit matrix repackings (a backend's `lay
 DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
 DEFAULT_GDN_CHUNK = 64
 GDN_SOLVES = ("substitution", "inverse")  # how the chunked GDN form solves its triangular system
+ATTENTION_CHUNKS = ("used", "all")  # which KV-cache chunks attention visits (same bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,10 @@ class RunConfig:
     gdn_solve: how that form solves its unit lower-triangular system per chunk: "substitution" (row by
         row in a loop; inference) or "inverse" (the inverse as a product of matrix powers: all
         matmuls, much cheaper to differentiate; training). Equal up to float rounding.
+    attention_chunks: which chunks of the KV cache attention visits: "used" (up to the last one a row
+        can see: a loop with a data-dependent trip count; inference) or "all" (a static loop over every
+        chunk, those past the rows' reach left untouched: reverse-mode differentiable; training).
+        Bitwise equal.
     kernels: the kernel backend of every matrix and routed-expert stack: "auto" (the best-ranked for
         the platform: Pallas on a GPU, XLA elsewhere) or a registered name, "xla", "pallas" or "reference"
         (exact dequantization + f32 dot); see `sharpi_jax.quant.registry` (checked at load).
@@ -54,6 +59,7 @@ class RunConfig:
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     gdn_chunk: int = DEFAULT_GDN_CHUNK
     gdn_solve: str = "substitution"
+    attention_chunks: str = "used"
     kernels: str = "auto"
     repack: str | None = "auto"
 
@@ -79,6 +85,8 @@ class RunConfig:
         object.__setattr__(self, "gdn_chunk", int(self.gdn_chunk))
         if self.gdn_solve not in GDN_SOLVES:
             raise InputError(f"gdn_solve must be one of {GDN_SOLVES}, got {self.gdn_solve!r}")
+        if self.attention_chunks not in ATTENTION_CHUNKS:
+            raise InputError(f"attention_chunks must be one of {ATTENTION_CHUNKS}, got {self.attention_chunks!r}")
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed (validated again); None values leave a field as it is."""

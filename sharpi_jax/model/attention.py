@@ -53,13 +53,14 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
 
 def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array,
            valid: jax.Array, tree: TreeRows | None = None, slot_pos: jax.Array | None = None,
-           shift: jax.Array | None = None) -> jax.Array:
+           shift: jax.Array | None = None, chunks: str = "used") -> jax.Array:
     """softmax(scale * q k^T) v over the used chunks of the cache: qh [Hkv, G*T, hd] (row m = g*T + t)
     -> [Hkv, G*T, hd].
 
     An online softmax over aligned chunks of `chunk_size(S)` slots, visiting chunks 0 .. the last one
     any valid row can see (a `fori_loop` with a data-dependent trip count), so a step reads the used
-    part of the cache, not all max_context slots. Bit parity: every chunk is computed with the same
+    part of the cache, not all max_context slots (chunks="all": a static loop over every chunk, the same
+    bits, reverse-mode differentiable for training). Bit parity: every chunk is computed with the same
     shapes whatever the rows; a chunk in which a row sees nothing leaves that row's (max, sum, acc)
     untouched (`where`, not arithmetic), so a row's result depends only on its own chunks 0..c(row),
     not on how many rows run together or how far the others reach.
@@ -126,14 +127,15 @@ def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
 
     init = (jnp.full((Hkv, GT, 1), -jnp.inf, jnp.float32), jnp.zeros((Hkv, GT, 1), jnp.float32),
             jnp.zeros((Hkv, GT, hd), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(0, n_chunks if chunks == "used" else S // C, body, init)
     return acc / l
 
 
 class GatedAttention(nnx.Module):
     """Gated full attention with a fused [q+gate | k | v] input projection."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, chunks: str = "used"):
+        self.chunks = chunks  # RunConfig.attention_chunks
         self.n_head, self.n_head_kv, self.head_dim = c.n_head, c.n_head_kv, c.head_dim
         self.n_rot, self.rope_base, self.rope_freq_scale = c.n_rot, c.rope_base, c.rope_freq_scale
         hd = c.head_dim
@@ -172,7 +174,8 @@ class GatedAttention(nnx.Module):
         cache_v = cache_v.at[:, idx, :].set(v.transpose(1, 0, 2), mode="drop")
 
         qh = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3).reshape(Hkv, G * T, hd)
-        o = attend(qh, jnp.float32(1.0 / (hd ** 0.5)), cache_k, cache_v, positions, valid, tree, slot_pos, shift)
+        o = attend(qh, jnp.float32(1.0 / (hd ** 0.5)), cache_k, cache_v, positions, valid, tree, slot_pos, shift,
+                   self.chunks)
         o = o.reshape(Hkv, G, T, hd).transpose(2, 0, 1, 3).reshape(T, Hq, hd)
         o = o * jax.nn.sigmoid(gate)
         out = self.w_o(o.reshape(T, Hq * hd), n_valid)

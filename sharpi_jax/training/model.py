@@ -13,7 +13,8 @@ row concatenations and transposes, so gradients flow back to the GGUF-named arra
 run a [B, T] batch from zero state: the mixers per sequence, the FFNs on all B*T rows at once. The
 routed experts are `training.experts.FloatExperts` (dense, or capacity-limited dispatch), every MoE
 layer sows its router probabilities for the balance loss, and the chunked Gated DeltaNet form uses
-`RunConfig(gdn_solve="inverse")` (matrix powers: cheap to differentiate) with short chunks.
+`RunConfig(gdn_solve="inverse")` (matrix powers: cheap to differentiate) with short chunks; attention
+visits every KV chunk in a static loop (`attention_chunks="all"`, the inference bits, differentiable).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def _param_value(params: Params, c: ModelConfig, path: tuple):
 @functools.lru_cache(maxsize=16)
 def _skeleton(c: ModelConfig, capacity_factor: float | None, gdn_chunk: int):
     """(graphdef, flat abstract state) of a TrainingModel (built once per configuration, no arrays)."""
-    run = RunConfig(gdn_chunk=gdn_chunk, gdn_solve="inverse")
+    run = RunConfig(gdn_chunk=gdn_chunk, gdn_solve="inverse", attention_chunks="all")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: TrainingModel(c, run, capacity_factor)))
     return graphdef, [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
 

@@ -17,7 +17,7 @@ from tests.bitwise import assert_bitwise_equal
 
 HKV, G, HD, S = 2, 2, 32, 4 * CHUNK
 SCALE = np.float32(1 / np.sqrt(HD))
-_attend = jax.jit(attend)
+_attend = jax.jit(attend, static_argnums=9)
 
 
 def _cache(seed=0):
@@ -29,12 +29,13 @@ def _q(T, seed=1):
     return np.random.default_rng(seed).standard_normal((HKV, G, T, HD)).astype(np.float32)
 
 
-def _run(q, k, v, positions, valid=None, tree=None, slot_pos=None, shift=None):
+def _run(q, k, v, positions, valid=None, tree=None, slot_pos=None, shift=None, chunks="used"):
     T = q.shape[2]
     valid = np.ones(T, bool) if valid is None else valid
     o = _attend(jnp.asarray(q.reshape(HKV, G * T, HD)), SCALE, jnp.asarray(k), jnp.asarray(v),
                 jnp.asarray(positions, jnp.int32), jnp.asarray(valid), tree,
-                None if slot_pos is None else jnp.asarray(slot_pos), None if shift is None else jnp.int32(shift))
+                None if slot_pos is None else jnp.asarray(slot_pos), None if shift is None else jnp.int32(shift),
+                chunks)
     return np.asarray(o).reshape(HKV, G, T, HD)
 
 
@@ -106,3 +107,16 @@ def test_tree_rows_equal_decode_along_their_root_path_across_a_chunk_boundary(ev
         one = _run(np.concatenate([q[:, :, t:t + 1], q[:, :, :1]], axis=2), dk, dv,
                    np.array([logical + depth[t], 0], np.int32), np.array([True, False]), slot_pos=slot_pos, shift=shift)
         assert_bitwise_equal(out[:, :, t], one[:, :, 0])
+
+
+def test_all_chunks_is_bitwise_used_chunks_and_differentiable():
+    """chunks="all" (training: a static loop over every chunk) gives the bits of chunks="used" (the
+    loop stops at the farthest row's chunk), and has a reverse-mode gradient."""
+    k, v = _cache()
+    positions = np.array([3, 250, 300, 10], np.int32)
+    q = _q(len(positions))
+    assert_bitwise_equal(_run(q, k, v, positions, chunks="all"), _run(q, k, v, positions))
+    qh = jnp.asarray(q.reshape(HKV, G * len(positions), HD))
+    g = jax.grad(lambda qh: jnp.sum(attend(qh, SCALE, jnp.asarray(k), jnp.asarray(v), jnp.asarray(positions),
+                                           jnp.ones(len(positions), bool), chunks="all")))(qh)
+    assert np.all(np.isfinite(np.asarray(g))) and np.any(np.asarray(g) != 0)
