@@ -18,9 +18,12 @@ from sharpi_jax.testing import write_synthetic_gguf
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_FILE = REPO_ROOT / "configs" / "models.json"
 FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
-# Held-out Python text for routing experiments: this repository's sources (not in the stdlib training corpus).
-HELD_OUT_SOURCES = ("sharpi_jax/api.py", "sharpi_jax/experts/residency/plan.py", "sharpi_jax/runtime/speculative.py",
-                    "sharpi_jax/gguf/reader.py", "sharpi_jax/model/gated_delta_net.py", "sharpi_jax/quant/qtensor.py")
+# Held-out Python text for routing experiments: six of this repository's sources (not in the stdlib training
+# corpus), frozen as copies taken at commit 5e6cbc9 (api.py, residency/plan.py, runtime/speculative.py,
+# gguf/reader.py, model/gated_delta_net.py, quant/qtensor.py), so refactors of the live files leave the
+# routing / residency figures reproducible. Paths relative to REPO_ROOT.
+HELD_OUT_SOURCES = tuple(f"experiments/data/held_out/{name}.py.txt" for name in (
+    "api", "plan", "speculative", "reader", "gated_delta_net", "qtensor"))
 
 
 # What llama-quantize's Q4_K_M makes of the 35B-A3B-shaped 4-layer slice (measured; WORKSPACE, "No silent
