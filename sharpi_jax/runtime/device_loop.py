@@ -27,7 +27,7 @@ import numpy as np
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction, tree_device
 from sharpi_jax.runtime.draft_vocab import DraftVocab
-from sharpi_jax.runtime.generate import timing_stats
+from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, argmax, draw, traced_params
 from sharpi_jax.runtime.speculative import MTPDecoder, MTPRuntime, pass_stats_from_counts
 from sharpi_jax.runtime.state import repeat_as_snapshots
@@ -75,7 +75,8 @@ def _plain_fn(decode):
 
         def body(c):
             cache, state, pos, i, tok, out, _ = c
-            logits, _, state, cache = decode(params, cache, state, tok, pos)
+            step, cache = decode(params, cache, state, tok, pos)
+            logits, state = step.logits, step.state
             pos, i = pos + 1, i + 1
             tok = pick(logits, i)
             stop = _stop_code(tok, eos, i + 1, max_new)
@@ -89,7 +90,7 @@ def _plain_fn(decode):
 
 
 def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                        stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> tuple[list[int], dict[str, Any]]:
+                        stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> Generation:
     """`generate.generate_ids` (same arguments, tokens and stats, plus loop="device") with the decode
     loop on the device."""
     t0 = time.perf_counter()
@@ -110,7 +111,8 @@ def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens:
         tokens, stop = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)]
     t2 = time.perf_counter()
     stats = timing_stats(len(prompt), len(tokens), t0, t1, t2, stop)
-    return tokens, {**stats, **kv_eviction.kv_stats(evicted, int(pos), runtime.max_context), "loop": "device"}
+    return Generation(tokens, {**stats, **kv_eviction.kv_stats(evicted, int(pos), runtime.max_context),
+                               "loop": "device"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,8 +144,8 @@ def _chain_fn(commit_verify, draft):
             toks = toks.at[c["n_pend"]].set(c["t"])
             vtokens, mtp_cache, h_t = draft(mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"],
                                             c["pend_start"] - mtp_off, c["n_pend"] + 1, jnp.maximum(n_draft, 1), vocab)
-            logits, greedy_rows, hidden, state, snaps, cache = commit_verify(
-                params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
+            v, cache = commit_verify(params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
+            logits, greedy_rows, hidden, state, snaps = v
             if greedy:
                 target = greedy_rows
             else:
@@ -182,7 +184,7 @@ def _chain_fn(commit_verify, draft):
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                         sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                         kv: SnapKV | None = None, mtp_kv: str = "snapkv", zero_h_first: bool = False,
-                        vocab: DraftVocab | None = None) -> tuple[list[int], dict[str, Any]]:
+                        vocab: DraftVocab | None = None) -> Generation:
     """`speculative.generate_mtp` with batched verify (same arguments, tokens and stats except draft_s /
     verify_s, which one device program cannot split; plus loop="device") with every pass on the device."""
     t0 = time.perf_counter()
@@ -217,7 +219,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         **kv_eviction.kv_stats(dec.evicted, P, runtime.max_context),
         "loop": "device",
     }
-    return tokens, stats
+    return Generation(tokens, stats)
 
 
 
@@ -253,9 +255,9 @@ def _tree_fn(tree_commit_verify, root, level):
                 root, level, mtp_params, c_["mtp_cache"], toks, c_["h_prev"], c_["hidden"], c_["pend_start"] - 1,
                 c_["n_pend"] + 1, depth, n_nodes, K=K, N=N, c=c, S=S)
             tdepth, tparent, anc = tree_device.tree_arrays(tp, n)
-            logits, greedy_rows, hidden, state, snaps, cache = tree_commit_verify(
-                params, c_["cache"], c_["state"], c_["snaps"], c_["node"], c_["prev"], c_["path"], c_["n_path"], tt,
-                P, n, tdepth, tparent, anc)
+            v, cache = tree_commit_verify(params, c_["cache"], c_["state"], c_["snaps"], c_["node"], c_["prev"],
+                                          c_["path"], c_["n_path"], tt, P, n, tdepth, tparent, anc)
+            logits, greedy_rows, hidden, state, snaps = v
             if greedy:
                 target = greedy_rows
             else:
@@ -292,7 +294,7 @@ def _tree_fn(tree_commit_verify, root, level):
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                          sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                          tree_nodes: int = 8,
-                         max_snapshot_bytes: int | None = None) -> tuple[list[int], dict[str, Any]]:
+                         max_snapshot_bytes: int | None = None) -> Generation:
     """`tree.generate_tree` with batched verify (same arguments, tokens and stats except draft_s / verify_s;
     plus loop="device") with every pass (drafting the tree, verify, acceptance, commit) on the device."""
     t0 = time.perf_counter()
@@ -324,4 +326,4 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
         "loop": "device",
     }
-    return tokens, stats
+    return Generation(tokens, stats)

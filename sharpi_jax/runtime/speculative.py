@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +49,48 @@ from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import draft_vocab, kv_eviction
 from sharpi_jax.runtime.draft_vocab import DraftVocab
-from sharpi_jax.runtime.generate import timing_stats
+from sharpi_jax.runtime.generate import Generation, timing_stats
+from sharpi_jax.runtime.options import VERIFY_MODES
 from sharpi_jax.runtime.sampling import SamplingParams, sample
 from sharpi_jax.runtime.state import MTPCache, gdn_caches, init_mtp_cache, with_gdn
 from sharpi_jax.runtime.steps import Runtime
 
-VERIFY_MODES = ("batched", "sequential")
+
+class MTPRows(NamedTuple):
+    """MTP rows: the head's post-norm output h' [B, D], the cache, with_q the queries ((q [B, Hq, hd],);
+    else ())."""
+
+    hidden: jax.Array
+    cache: MTPCache
+    queries: tuple
+
+
+class MTPPrefill(NamedTuple):
+    """The MTP KV caught up over a prompt: the cache, the trunk hidden paired with the last id, and
+    [(h' [B, D], rows valid)] per MTP bucket."""
+
+    cache: MTPCache
+    h_last: jax.Array
+    chunks: list
+
+
+class Draft(NamedTuple):
+    """A pass's drafts (chain: [t, d1..dK] int32 device array; tree: a `tree_draft.DraftTree`), the MTP
+    cache, and the trunk hidden paired with the certain token t."""
+
+    drafts: Any
+    cache: MTPCache
+    h: jax.Array
+
+
+class PassResult(NamedTuple):
+    """One speculative pass: the accepted drafts, the target's next token, the draft nodes verified and
+    the drafts' depth (a chain: both its length)."""
+
+    accepted: list[int]
+    next: int
+    nodes: int
+    depth: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +101,8 @@ def _mtp_fns(graphdef, treedef):
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
     def rows(params, cache, tokens, hs, start, n_valid, with_q=False):
-        return merge(params)(tokens, hs, start, n_valid, cache, with_q=with_q)
+        hp, cache, *q = merge(params)(tokens, hs, start, n_valid, cache, with_q=with_q)
+        return MTPRows(hp, cache, tuple(q))
 
     def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft, vocab=None):
         mtp = merge(params)
@@ -93,7 +130,7 @@ def _mtp_fns(graphdef, treedef):
         cache, _, _, drafts = jax.lax.fori_loop(1, n_draft, step, (cache, d, h, drafts))
         t = jax.lax.dynamic_index_in_dim(tokens, last, keepdims=False)
         h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
-        return jnp.concatenate([t[None], drafts]), cache, h_t
+        return Draft(jnp.concatenate([t[None], drafts]), cache, h_t)
 
     def logits(params, h):
         return merge(params).logits(h)
@@ -156,8 +193,8 @@ class MTPRuntime:
 
     @property
     def draft_fn(self):
-        """The jitted draft call (`draft`'s computation, taking params and device arrays explicitly: for
-        programs that nest it, such as the device loop)."""
+        """The jitted draft call (`draft`'s computation, taking params and device arrays explicitly and
+        returning a `Draft`: for programs that nest it, such as the device loop)."""
         return self._draft
 
     def forget_draft_vocabs(self) -> None:
@@ -167,18 +204,19 @@ class MTPRuntime:
     def new_cache(self) -> MTPCache:
         return init_mtp_cache(self.config, self.max_context)
 
-    def rows(self, cache: MTPCache, tokens, hs: jax.Array, start: int, n_valid: int, with_q: bool = False):
+    def rows(self, cache: MTPCache, tokens, hs: jax.Array, start: int, n_valid: int,
+             with_q: bool = False) -> MTPRows:
         """MTP rows (tokens[i], hs[i]) at MTP positions start + i, i < n_valid (a bucket of B >= 2 rows),
-        written to the cache. Returns (h' [B, D], cache), plus with_q the queries [B, Hq, hd]."""
+        written to the cache. Returns `MTPRows(h' [B, D], cache, queries)`, with_q: queries ((q [B, Hq, hd],))."""
         return self._rows(self.params, cache, np.asarray(tokens, np.int32), hs, np.int32(start), np.int32(n_valid),
                           with_q=with_q)
 
     def prefill(self, cache: MTPCache, ids: Sequence[int], chunks, zero_h_first: bool = False,
-                queries: list | None = None):
+                queries: list | None = None) -> MTPPrefill:
         """Catch the MTP KV up over a trunk prefill of ids at positions 0.. (`chunks` = the trunk's
         [(hidden [B, D], n_valid)]): pairs (ids[p], h[p-1]) at MTP position p - 1 for p >= 1, or, with
         zero_h_first (llama.cpp), pairs (ids[p], h[p-1]) at position p including (ids[0], h = 0).
-        Returns (cache, h of the last id, [(h' [B, D], rows valid)] per chunk). queries (a list):
+        Returns `MTPPrefill(cache, h of the last id, [(h' [B, D], rows valid)] per chunk)`. queries (a list):
         receives ((q [B, Hq, hd],), rows valid) per MTP bucket (SnapKV)."""
         n, out, off = len(ids), [], 0
         h_prev = jnp.zeros((self.config.d_model,), jnp.float32)
@@ -191,19 +229,19 @@ class MTPRuntime:
             if cnt > 0:
                 bucket = np.zeros(B, np.int32)
                 bucket[:cnt] = toks[:cnt]
-                hp, cache, *q = self.rows(cache, bucket, hs, off, cnt, with_q=queries is not None)
+                hp, cache, q = self.rows(cache, bucket, hs, off, cnt, with_q=queries is not None)
                 out.append((hp, cnt))
                 if queries is not None:
-                    queries.append((tuple(q), cnt))
+                    queries.append((q, cnt))
             h_prev = _row(hidden, np.int32(m - 1))
             off += m
-        return cache, h_prev, out
+        return MTPPrefill(cache, h_prev, out)
 
     def draft(self, cache: MTPCache, tokens, h_prev, hidden, start: int, n_valid: int, n_draft: int,
-              vocab: DraftVocab | None = None):
+              vocab: DraftVocab | None = None) -> Draft:
         """Catch-up rows 0..n_valid-2 + the chain from row n_valid-1 (the certain token t), n_draft >= 1
         greedy drafts into K = len(tokens) - 2 slots (over `vocab`'s ids only when given). Returns
-        ([t, d1..dK] int32 device array (slots past n_draft are 0), cache, the h paired with t)."""
+        `Draft([t, d1..dK] int32 device array (slots past n_draft are 0), cache, the h paired with t)`."""
         return self._draft(self.params, cache, np.asarray(tokens, np.int32), h_prev, hidden, np.int32(start),
                            np.int32(n_valid), np.int32(n_draft), vocab)
 
@@ -242,8 +280,7 @@ class MTPDecoder:
         mtp_kv: "snapkv" evicts the MTP head's own KV by the same rule, "keep" keeps it whole; vocab:
         draft over these token ids only (`draft_vocab`; verification uses the full head)."""
         self.vocab = vocab
-        if verify not in VERIFY_MODES:
-            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        assert verify in VERIFY_MODES, verify  # checked where options enter (`options.GenerateOptions`)
         if mtp_kv not in kv_eviction.MTP_KV_MODES:
             raise InputError(f"mtp_kv must be one of {kv_eviction.MTP_KV_MODES}, got {mtp_kv!r}")
         if kv is not None and kv_capacity is None:
@@ -275,10 +312,10 @@ class MTPDecoder:
         jax.block_until_ready((logits, cache))
         return logits
 
-    def step(self, t: int, n_draft: int, sampling: SamplingParams, index: int) -> tuple[list[int], int, int]:
+    def step(self, t: int, n_draft: int, sampling: SamplingParams, index: int) -> PassResult:
         """One pass from the certain token t (generated-token index `index`) at position P with
-        n_draft drafts (0 <= n_draft <= K; 0 = a plain verify of t). Returns (accepted drafts, the
-        target's next token, n_draft) and advances P by len(accepted) + 1."""
+        n_draft drafts (0 <= n_draft <= K; 0 = a plain verify of t). Returns `PassResult(accepted drafts,
+        the target's next token, n_draft, n_draft)` and advances P by len(accepted) + 1."""
         if not 0 <= n_draft <= self.K:
             raise InputError(f"n_draft must be in [0, {self.K}], got {n_draft}")
         P = self.P
@@ -302,7 +339,7 @@ class MTPDecoder:
         a = len(accepted)
         self._pend, self._pend_start, self.h_prev, self._hidden = [t] + accepted, P, h_t, hidden
         self.P = P + a + 1
-        return accepted, nxt, n_draft
+        return PassResult(accepted, nxt, n_draft, n_draft)
 
     def max_drafts(self) -> int:
         """The most drafts the next pass may verify: its rows must fit max_context and, on a compacted
@@ -436,7 +473,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                  verify: str = "batched", width: int | None = None, full_rows: bool = False,
                  trace: list | None = None, zero_h_first: bool = False, kv: SnapKV | None = None,
-                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None) -> tuple[list[int], dict[str, Any]]:
+                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None) -> Generation:
     """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments
     (kv: the same SnapKV eviction; mtp_kv: evict the MTP head's KV too, or keep it whole).
 
@@ -457,10 +494,9 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
     passes: list[tuple[int, int]] = []
 
     def one_pass(out: list[int]) -> list[int]:
-        n_draft = min(dec.k, dec.max_drafts())
-        accepted, nxt, _ = dec.step(out[-1], n_draft, sampling, len(out) - 1)
-        passes.append((n_draft, len(accepted)))
-        return accepted + [nxt]
+        r = dec.step(out[-1], min(dec.k, dec.max_drafts()), sampling, len(out) - 1)
+        passes.append((r.nodes, len(r.accepted)))
+        return r.accepted + [r.next]
 
     first = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
     out, stop = emit_passes(first, max_new_tokens, stop_ids, runtime.max_context, lambda: dec.P, one_pass)
@@ -476,7 +512,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
         "verify_s": dec.verify_s,
         **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context),
     }
-    return out, stats
+    return Generation(out, stats)
 
 
 def llamacpp_protocol(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], draft_tokens: int,
@@ -503,10 +539,10 @@ def llamacpp_protocol(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], 
     tokens: list[int] = []
     while True:
         n_max = draft_tokens if not budget_cap else max(0, min(draft_tokens, n_predict - done - 1))
-        accepted, nxt, _ = dec.step(t, n_max, greedy, 0)
+        accepted, nxt, _, _ = dec.step(t, n_max, greedy, 0)
         if replay and len(accepted) < n_max:
             # llama.cpp: restore, then verify [t, accepted..., nxt] as a draft: all accepted, plus a bonus.
-            _, bonus, _ = dec.step(nxt, 0, greedy, 0)
+            bonus = dec.step(nxt, 0, greedy, 0).next
             n_drafted += len(accepted) + 1
             n_accept += len(accepted) + 1
             done += len(accepted) + 2

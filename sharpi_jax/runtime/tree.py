@@ -35,9 +35,10 @@ import numpy as np
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.cache import cache_shapes
-from sharpi_jax.runtime.generate import timing_stats
+from sharpi_jax.runtime.generate import Generation, timing_stats
+from sharpi_jax.runtime.options import VERIFY_MODES
 from sharpi_jax.runtime.sampling import SamplingParams, sample
-from sharpi_jax.runtime.speculative import VERIFY_MODES, MTPRuntime, _argmax_rows, _stack_rows, emit_passes
+from sharpi_jax.runtime.speculative import MTPRuntime, PassResult, _argmax_rows, _stack_rows, emit_passes
 from sharpi_jax.runtime.state import gdn_caches, move_kv_rows, select_snapshot
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.tree_draft import DraftTree, TreeDrafter
@@ -79,12 +80,8 @@ class TreeDecoder:
 
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, tree_nodes: int,
                  verify: str = "batched", trace: list | None = None, max_snapshot_bytes: int | None = None):
-        if verify not in VERIFY_MODES:
-            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         k, n = int(draft_tokens), int(tree_nodes)
-        if k < 1 or n < k:
-            raise InputError(f"tree speculation needs 1 <= draft_tokens <= tree_nodes, got draft_tokens={k}, "
-                             f"tree_nodes={n}")
+        assert verify in VERIFY_MODES and 1 <= k <= n, (verify, k, n)  # checked in `options.GenerateOptions`
         capped = capped_tree_nodes(runtime.config, n, max_snapshot_bytes)
         if capped < k:
             raise InputError(f"max_snapshot_bytes={max_snapshot_bytes} holds {max(capped, 0) + 1} node snapshots "
@@ -107,10 +104,10 @@ class TreeDecoder:
         jax.block_until_ready((logits, cache))
         return logits
 
-    def step(self, t: int, depth: int, n_nodes: int, sampling: SamplingParams, index: int):
+    def step(self, t: int, depth: int, n_nodes: int, sampling: SamplingParams, index: int) -> PassResult:
         """One pass from the certain token t (generated-token index `index`) at position P with a tree
-        of at most n_nodes drafts and depth `depth`. Returns (accepted drafts, the target's next token,
-        the tree) and advances P by len(accepted) + 1."""
+        of at most n_nodes drafts and depth `depth`. Returns `PassResult(accepted drafts, the target's next
+        token, the tree's draft nodes, its depth)` and advances P by len(accepted) + 1."""
         P = self.P
         if not 0 <= depth <= min(self.k, n_nodes) or n_nodes > self.n_nodes or P + n_nodes >= self.rt.max_context:
             raise InputError(f"a tree pass at position {P} with {n_nodes} nodes of depth {depth} does not fit")
@@ -130,7 +127,7 @@ class TreeDecoder:
         accepted = [int(tree.tokens[i]) for i in path[1:]]
         self._pend, self._pend_start, self.h_prev, self._hidden = [t] + accepted, P, h_t, hidden
         self.P = P + len(accepted) + 1
-        return accepted, nxt, tree
+        return PassResult(accepted, nxt, tree.n - 1, int(tree.depth.max()))
 
     @staticmethod
     def _accept(tree: DraftTree, target) -> tuple[list[int], int]:
@@ -237,7 +234,7 @@ def tree_pass_stats(k: int, passes: list[tuple[int, int, int]]) -> dict[str, Any
 def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                   sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                   tree_nodes: int = 8, verify: str = "batched", trace: list | None = None,
-                  max_snapshot_bytes: int | None = None) -> tuple[list[int], dict[str, Any]]:
+                  max_snapshot_bytes: int | None = None) -> Generation:
     """Tree speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
 
     stats: those of `generate_ids` plus speculative ("mtp_tree"), draft_tokens (depth), tree_nodes
@@ -256,9 +253,9 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     def one_pass(out: list[int]) -> list[int]:
         n_nodes = min(dec.n_nodes, runtime.max_context - 1 - dec.P)
         depth = min(dec.k, n_nodes)
-        accepted, nxt, tree = dec.step(out[-1], depth, n_nodes, sampling, len(out) - 1)
-        passes.append((tree.n - 1, int(tree.depth.max()), len(accepted)))
-        return accepted + [nxt]
+        r = dec.step(out[-1], depth, n_nodes, sampling, len(out) - 1)
+        passes.append((r.nodes, r.depth, len(r.accepted)))
+        return r.accepted + [r.next]
 
     first = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
     out, stop = emit_passes(first, max_new_tokens, stop_ids, runtime.max_context, lambda: dec.P, one_pass)
@@ -274,4 +271,4 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
         "draft_s": dec.draft_s,
         "verify_s": dec.verify_s,
     }
-    return out, stats
+    return Generation(out, stats)
