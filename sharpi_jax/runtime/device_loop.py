@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Collection, Sequence
+from typing import Collection, Sequence
 
 import jax
 import jax.numpy as jnp

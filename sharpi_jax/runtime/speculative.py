@@ -42,12 +42,12 @@ from typing import Any, Callable, Collection, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import draft_vocab, kv_eviction
+from sharpi_jax.runtime.compiled import Graph, jit_factory, split
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.options import VERIFY_MODES
@@ -93,12 +93,10 @@ class PassResult(NamedTuple):
     depth: int
 
 
-@functools.lru_cache(maxsize=None)
-def _mtp_fns(graphdef, treedef):
-    """The jitted MTP steps of one head graph (same functional pattern as `steps._step_fns`)."""
-
-    def merge(leaves):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+@jit_factory
+def _mtp_fns(graph: Graph) -> dict:
+    """The jitted MTP steps of one head graph (`compiled.jit_factory`): rows, draft, logits."""
+    merge = graph.merge
 
     def rows(params, cache, tokens, hs, start, n_valid, with_q=False):
         hp, cache, *q = merge(params)(tokens, hs, start, n_valid, cache, with_q=with_q)
@@ -135,8 +133,8 @@ def _mtp_fns(graphdef, treedef):
     def logits(params, h):
         return merge(params).logits(h)
 
-    return (jax.jit(rows, donate_argnums=(1,), static_argnames=("with_q",)), jax.jit(draft, donate_argnums=(1,)),
-            jax.jit(logits))
+    return dict(rows=(rows, dict(donate_argnums=(1,), static_argnames=("with_q",))),
+                draft=(draft, dict(donate_argnums=(1,))), logits=(logits, {}))
 
 
 @jax.jit
@@ -168,11 +166,9 @@ class MTPRuntime:
     def __init__(self, head: MTPHead, max_context: int):
         self.config = head.config
         self.max_context = int(max_context)
-        graphdef, state = nnx.split(head)
-        leaves, treedef = jax.tree.flatten(state)
-        self.params = tuple(leaves)
-        self.graph = (graphdef, treedef)  # for other jitted MTP steps (the tree drafter's)
-        self._rows, self._draft, self._logits = _mtp_fns(graphdef, treedef)
+        self.graph, self.params, _ = split(head)  # graph: also for other jitted MTP steps (the tree drafter's)
+        fns = _mtp_fns(self.graph)
+        self._rows, self._draft, self._logits = fns.rows, fns.draft, fns.logits
         self._head_parts = head.lm_head.parts()
         self._vocabs: dict[tuple, DraftVocab] = {}
         self.path: str | None = None  # the model file (a saved draft-vocabulary ranking is found beside it)

@@ -18,7 +18,6 @@ head consumes. Every step also runs on a state whose attention caches were compa
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 from typing import NamedTuple, Sequence
 
@@ -32,6 +31,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.model.tree import TreeRows, tree_arrays
+from sharpi_jax.runtime.compiled import Graph, jit_factory, split
 from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
                                       select_snapshot)
 
@@ -104,18 +104,13 @@ def prefill_plan(n: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
     return plan
 
 
-@functools.lru_cache(maxsize=None)
-def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
-    """The jitted steps of one model graph (graphdef is static: hashed once here, not per call).
-
-    Params travel as a flat tuple of arrays (`treedef` rebuilds the nnx.State inside the trace):
-    flattening an nnx.State on every call costs ~0.1-0.3 ms, a tuple almost nothing. `cache` is the
-    flat tuple of mutable expert-residency arrays (`ExpertCache`; empty without a budget): the model
-    steps take it donated and return (their named result, its new value).
+@jit_factory
+def _step_fns(graph: Graph) -> dict:
+    """The jitted steps of one model graph (`compiled.jit_factory`). `cache` is the flat tuple of mutable
+    expert-residency arrays (`ExpertCache`; empty without a budget): the model steps take it donated and
+    return (their named result, its new value).
     """
-
-    def merge(leaves, cache):
-        return nnx.merge(graphdef, jax.tree.unflatten(cache_treedef, cache), jax.tree.unflatten(treedef, leaves))
+    merge = graph.merge
 
     def cache_out(model):
         return tuple(jax.tree.leaves(nnx.state(model, ExpertCache)))
@@ -156,14 +151,14 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
         logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree)
         return Pass(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps), cache_out(model)
 
-    return SimpleNamespace(
-        tree_commit_verify=jax.jit(tree_commit_verify, donate_argnums=(1, 2, 3)),
-        prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=("gdn", "with_q")),
-        head=jax.jit(head),
-        decode=jax.jit(decode, donate_argnums=(1, 2)),
-        verify=jax.jit(verify, donate_argnums=(1, 2)),
-        commit=jax.jit(commit, donate_argnums=(0,)),
-        commit_verify=jax.jit(commit_verify, donate_argnums=(1, 2, 3)),
+    return dict(
+        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3))),
+        prefill=(prefill, dict(donate_argnums=(1, 2), static_argnames=("gdn", "with_q"))),
+        head=(head, {}),
+        decode=(decode, dict(donate_argnums=(1, 2))),
+        verify=(verify, dict(donate_argnums=(1, 2))),
+        commit=(commit, dict(donate_argnums=(0,))),
+        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3))),
     )
 
 
@@ -179,12 +174,9 @@ class Runtime:
         self.max_context = int(max_context)
         self.run = run if isinstance(run, RunConfig) else RunConfig(prefill_buckets=tuple(run))
         self.prefill_buckets = self.run.prefill_buckets
-        self.graphdef, cache, state = nnx.split(model, ExpertCache, ...)
-        leaves, treedef = jax.tree.flatten(state)
-        self.params = tuple(leaves)  # the model's arrays, flat (see _step_fns)
-        cache_leaves, self._cache_treedef = jax.tree.flatten(cache)
-        self.cache = tuple(cache_leaves)  # expert residency state, replaced after every step
-        self._fns = _step_fns(self.graphdef, treedef, self._cache_treedef)
+        # params: the model's arrays, flat; cache: expert residency state, replaced after every step
+        self.graph, self.params, self.cache = split(model, ExpertCache)
+        self._fns = _step_fns(self.graph)
 
     @property
     def steps(self) -> SimpleNamespace:
@@ -196,7 +188,7 @@ class Runtime:
 
     def expert_cache_arrays(self) -> dict[tuple, jax.Array]:
         """The expert residency arrays by nnx path (empty without an expert budget)."""
-        state = jax.tree.unflatten(self._cache_treedef, self.cache)
+        state = jax.tree.unflatten(self.graph.cache_treedef, self.cache)
         return {tuple(p): (v.get_value() if hasattr(v, "get_value") else v) for p, v in nnx.to_flat_state(state)}
 
     def new_state(self) -> DecodeState:

@@ -22,15 +22,14 @@ from the same state.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from sharpi_jax.model.tree import TreeRows
+from sharpi_jax.runtime.compiled import Graph, jit_factory
 from sharpi_jax.runtime.speculative import Draft, MTPRuntime
 
 MAX_BRANCH = 8  # children per expanded node and expanded nodes per depth, at most
@@ -48,12 +47,10 @@ class Expansion(NamedTuple):
     h: jax.Array | None = None
 
 
-@functools.lru_cache(maxsize=None)
-def _tree_mtp_fns(graphdef, treedef):
-    """Jitted MTP tree-drafting calls of one head graph (the functional pattern of `speculative._mtp_fns`)."""
-
-    def merge(leaves):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+@jit_factory
+def _tree_mtp_fns(graph: Graph) -> dict:
+    """Jitted MTP tree-drafting calls of one head graph (`compiled.jit_factory`): root, level."""
+    merge = graph.merge
 
     def top(mtp, hp, c, rows=None):
         logits = mtp.logits(hp, rows)
@@ -79,8 +76,8 @@ def _tree_mtp_fns(graphdef, treedef):
         idx, lp = top(mtp, hp, c, n_valid)
         return Expansion(idx, lp, hp, cache)
 
-    return (jax.jit(root, donate_argnums=(1,), static_argnums=(7,)),
-            jax.jit(level, donate_argnums=(1,), static_argnums=(10,)))
+    return dict(root=(root, dict(donate_argnums=(1,), static_argnums=(7,))),
+                level=(level, dict(donate_argnums=(1,), static_argnums=(10,))))
 
 
 @dataclasses.dataclass
@@ -111,7 +108,8 @@ class TreeDrafter:
         self.mtp, self.k, self.n_nodes = mtp, int(draft_tokens), int(tree_nodes)
         self.c = branching(self.k, self.n_nodes)
         self.rows = max(2, self.c)  # MTP rows per level call (>= 2: the row-stable kernel)
-        self.root, self.level = _tree_mtp_fns(*mtp.graph)  # the jitted calls (the device loop nests them)
+        fns = _tree_mtp_fns(mtp.graph)
+        self.root, self.level = fns.root, fns.level  # the jitted calls (the device loop nests them)
 
     def draft(self, cache, tokens: np.ndarray, h_prev, hidden, start: int, n_valid: int, depth: int,
               n_nodes: int) -> Draft:
