@@ -33,7 +33,7 @@ from sharpi_jax.runtime import draft_vocab, loops
 from sharpi_jax.runtime.generate import GenerateOutput
 from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
-from sharpi_jax.runtime.speculative import MTPRuntime, teacher_forced_mtp_logits
+from sharpi_jax.runtime.mtp import MTPRuntime, teacher_forced_mtp_logits
 from sharpi_jax.runtime.steps import Runtime
 
 

@@ -75,8 +75,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "gdn_rollback_off_by_one",
         "batched MTP verify == sequential verify, GDN snapshots included (rollback = snapshot a)",
         "sharpi_jax/runtime/speculative.py",
-        (("self.state, self._commit = state, (snaps, len(accepted))",
-          "self.state, self._commit = state, (snaps, max(len(accepted) - 1, 0))  # MUTATION"),),
+        (("self.state, self._commit = v.state, (v.snaps, len(accepted))",
+          "self.state, self._commit = v.state, (v.snaps, max(len(accepted) - 1, 0))  # MUTATION"),),
         ("tests/runtime/test_speculative.py::test_batched_verify_bitwise_equals_sequential[qwen35moe-F32]",),
         ("tests/runtime/test_speculative.py",),
     ),
@@ -164,7 +164,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "eos_stops_one_late",
         "generation stops right after the first end-of-generation token, with and without MTP",
-        "sharpi_jax/runtime/speculative.py",
+        "sharpi_jax/runtime/passes.py",
         (("            out.append(tok)\n            if tok in stop_ids:\n                return out, \"eos\"\n",
           "            if out and out[-1] in stop_ids:  # MUTATION: one token late\n"
           "                return out + [tok], \"eos\"\n            out.append(tok)\n"),),

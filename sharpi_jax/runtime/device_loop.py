@@ -11,7 +11,7 @@ Shapes are static per compile: the output buffer holds `out_slots(max_new_tokens
 (rounded up to a power of two, so nearby lengths share a compile), the verify width is K + 1 rows
 (K = draft_tokens), and the number of drafts of a pass, the committed length P, the MTP catch-up rows
 and the rollback index are device scalars. A pass drafts min(k, room) tokens, room being what is left
-of max_context and, on a SnapKV-compacted cache, of its slots (as `MTPDecoder.max_drafts`).
+of max_context and, on a SnapKV-compacted cache, of its slots (as `decoder.Decoder.room`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from sharpi_jax.runtime import kv_eviction, tree_device
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, argmax, draw, traced_params
-from sharpi_jax.runtime.speculative import MTPDecoder, MTPRuntime, pass_stats_from_counts
+from sharpi_jax.runtime.mtp import MTPRuntime
+from sharpi_jax.runtime.passes import pass_counts, pass_stats
+from sharpi_jax.runtime.speculative import MTPDecoder
 from sharpi_jax.runtime.state import repeat_as_snapshots
 from sharpi_jax.runtime.steps import Runtime
-from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node, tree_pass_stats
+from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node
 
 STOP_REASONS = (None, "eos", "max_new_tokens", "max_context")  # index = the loop's stop code
 
@@ -215,7 +217,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         "draft_tokens": dec.k,
         "verify": "batched",
         "draft_vocab": None if vocab is None else vocab.size,
-        **pass_stats_from_counts(dec.k, counts),
+        **pass_stats(dec.k, counts, "accept_per_position"),
         **kv_eviction.kv_stats(dec.evicted, P, runtime.max_context),
         "loop": "device",
     }
@@ -322,7 +324,8 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         "draft_tokens": dec.k,
         "tree_nodes": dec.n_nodes,
         "verify": "batched",
-        **tree_pass_stats(dec.k, passes),
+        **pass_stats(dec.k, pass_counts(dec.k, passes), "accept_per_depth"),
+        "drafted_nodes": [n for n, _, _ in passes],
         "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
         "loop": "device",
     }

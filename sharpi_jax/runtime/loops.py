@@ -11,7 +11,8 @@ from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_dev
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation, generate_ids
 from sharpi_jax.runtime.options import GenerateOptions
-from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp
+from sharpi_jax.runtime.mtp import MTPRuntime
+from sharpi_jax.runtime.speculative import generate_mtp
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.tree import generate_tree
 

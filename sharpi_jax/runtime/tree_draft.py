@@ -30,7 +30,7 @@ import numpy as np
 
 from sharpi_jax.model.tree import TreeRows
 from sharpi_jax.runtime.compiled import Graph, jit_factory
-from sharpi_jax.runtime.speculative import Draft, MTPRuntime
+from sharpi_jax.runtime.mtp import Draft, MTPRuntime
 
 MAX_BRANCH = 8  # children per expanded node and expanded nodes per depth, at most
 
