@@ -162,6 +162,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_speculative.py",),
     ),
     Mutation(
+        "pass_stats_hit_strict",
+        "the device loop gives the host loop's pass stats exactly (one pass_stats for chain and tree)",
+        "sharpi_jax/runtime/passes.py",
+        (("                hit=[sum(d >= i and a >= i for _, d, a in passes) for i in range(1, k + 1)])",
+          "                hit=[sum(d >= i and a > i for _, d, a in passes) for i in range(1, k + 1)])  # MUTATION"),),
+        ("tests/runtime/test_device_loop.py::test_fixture_greedy[qwen35moe-Q8_0]",),
+        ("tests/runtime/test_device_loop.py", "tests/runtime/test_tree.py"),
+    ),
+    Mutation(
         "eos_stops_one_late",
         "generation stops right after the first end-of-generation token, with and without MTP",
         "sharpi_jax/runtime/passes.py",
