@@ -18,9 +18,12 @@ from sharpi_jax.testing import write_synthetic_gguf
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_FILE = REPO_ROOT / "configs" / "models.json"
 FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
-# Held-out Python text for routing experiments: this repository's sources (not in the stdlib training corpus).
-HELD_OUT_SOURCES = ("sharpi_jax/api.py", "sharpi_jax/experts/residency/plan.py", "sharpi_jax/runtime/speculative.py",
-                    "sharpi_jax/gguf/reader.py", "sharpi_jax/model/gated_delta_net.py", "sharpi_jax/quant/qtensor.py")
+# Held-out Python text for routing experiments: six of this repository's sources (not in the stdlib training
+# corpus), frozen as copies taken at commit 5e6cbc9 (api.py, residency/plan.py, runtime/speculative.py,
+# gguf/reader.py, model/gated_delta_net.py, quant/qtensor.py), so refactors of the live files leave the
+# routing / residency figures reproducible. Paths relative to REPO_ROOT.
+HELD_OUT_SOURCES = tuple(f"experiments/data/held_out/{name}.py.txt" for name in (
+    "api", "plan", "speculative", "reader", "gated_delta_net", "qtensor"))
 
 
 # What llama-quantize's Q4_K_M makes of the 35B-A3B-shaped 4-layer slice (measured; WORKSPACE, "No silent
@@ -83,18 +86,21 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
 
 def release_compiled_code() -> None:
     """Free what dropped engines still hold: JAX's compiled executables and the runtime's per-graph
-    step-function caches (`functools.lru_cache`s keyed on the model graph, which keep each engine's
-    graph, and with it ~1 GiB of a 35B-shaped slice, alive after the engine is gone). For loops that
-    load many engines one after another (bench_residency, sweeps); call after `del engine`."""
+    step-function caches (`runtime.compiled.clear_caches` and streaming's: `functools.lru_cache`s keyed on
+    the model graph, which keep each engine's graph, and with it ~1 GiB of a 35B-shaped slice, alive after
+    the engine is gone). For loops that load many engines one after another (bench_residency, sweeps);
+    call after `del engine`."""
     import gc
     import importlib
 
     import jax
 
+    from sharpi_jax.runtime import compiled
+
     gc.collect()
     jax.clear_caches()
-    for module, name in (("sharpi_jax.runtime.steps", "_step_fns"), ("sharpi_jax.runtime.speculative", "_mtp_fns"),
-                         ("sharpi_jax.experts.streaming", "_host_fn")):
+    compiled.clear_caches()  # the runtime's per-graph step functions (trunk, MTP head, tree drafter)
+    for module, name in (("sharpi_jax.experts.streaming", "_host_fn"),):
         try:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):

@@ -3,7 +3,7 @@
     python -m experiments.routing_stats                       # the research model (built on first use)
     python -m experiments.routing_stats --model=PATH_OR_PRESET [--tokens=512] [--out_dir=results/routing]
 
-Routes held-out Python text (`experiments.presets.HELD_OUT_SOURCES`: this repository's sources, not in
+Routes held-out Python text (`experiments.presets.HELD_OUT_SOURCES`: frozen copies of this repository's sources, not in
 the stdlib training corpus) through the trunk (`sharpi_jax.runtime.routing.trace_routing`, teacher-forced) and prints per MoE layer
 (`sharpi_jax.experts.routing_stats`): expert load skew (CV, max/mean, normalised entropy), reuse
 between consecutive tokens, the overlap of a token's experts with the next --drafts tokens' (the rows

@@ -29,14 +29,12 @@ from sharpi_jax.model.footprint import backend_summary, fallback_message, matrix
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
-from sharpi_jax.runtime import draft_vocab
-from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, generate_tree_device
-from sharpi_jax.runtime.generate import GenerateOutput, generate_ids
+from sharpi_jax.runtime import draft_vocab, loops
+from sharpi_jax.runtime.generate import GenerateOutput
 from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
-from sharpi_jax.runtime.speculative import MTPRuntime, generate_mtp, teacher_forced_mtp_logits
+from sharpi_jax.runtime.mtp import MTPRuntime, teacher_forced_mtp_logits
 from sharpi_jax.runtime.steps import Runtime
-from sharpi_jax.runtime.tree import generate_tree
 
 
 
@@ -329,26 +327,12 @@ class Engine:
         if opts.speculative == "mtp_tree" and kv is not None:
             raise InputError("speculative='mtp_tree' over a SnapKV-evicted cache is not supported yet: use "
                              "speculative='mtp' with kv_policy='snapkv', or mtp_tree without eviction")
-        vocab = self.mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
-        sampling, n, k = opts.sampling, int(opts.max_new_tokens), int(opts.draft_tokens)
+        mtp = self.mtp if opts.speculative is not None else None
+        vocab = mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
-        rt = self.runtime
-        if opts.speculative == "mtp" and opts.device_loop:
-            tokens, stats = generate_mtp_device(rt, self.mtp, ids, n, sampling, stop_ids, k, kv=kv, vocab=vocab)
-        elif opts.speculative == "mtp":
-            tokens, stats = generate_mtp(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.verify, kv=kv, vocab=vocab)
-        elif opts.speculative == "mtp_tree" and opts.device_loop:
-            tokens, stats = generate_tree_device(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes,
-                                                 max_snapshot_bytes=opts.max_snapshot_bytes)
-        elif opts.speculative == "mtp_tree":
-            tokens, stats = generate_tree(rt, self.mtp, ids, n, sampling, stop_ids, k, opts.nodes, opts.verify,
-                                          max_snapshot_bytes=opts.max_snapshot_bytes)
-        elif opts.device_loop:
-            tokens, stats = generate_ids_device(rt, ids, n, sampling, stop_ids, kv)
-        else:
-            tokens, stats = generate_ids(rt, ids, n, sampling, stop_ids, kv)
+        tokens, stats = loops.run(self.runtime, mtp, ids, opts, stop_ids, kv, vocab)
         stats.setdefault("loop", "host")
         if self.residency is not None:
             stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))

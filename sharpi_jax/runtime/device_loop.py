@@ -11,14 +11,14 @@ Shapes are static per compile: the output buffer holds `out_slots(max_new_tokens
 (rounded up to a power of two, so nearby lengths share a compile), the verify width is K + 1 rows
 (K = draft_tokens), and the number of drafts of a pass, the committed length P, the MTP catch-up rows
 and the rollback index are device scalars. A pass drafts min(k, room) tokens, room being what is left
-of max_context and, on a SnapKV-compacted cache, of its slots (as `MTPDecoder.max_drafts`).
+of max_context and, on a SnapKV-compacted cache, of its slots (as `decoder.Decoder.room`).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Collection, Sequence
+from typing import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +27,14 @@ import numpy as np
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction, tree_device
 from sharpi_jax.runtime.draft_vocab import DraftVocab
-from sharpi_jax.runtime.generate import timing_stats
+from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, argmax, draw, traced_params
-from sharpi_jax.runtime.speculative import MTPDecoder, MTPRuntime, pass_stats_from_counts
+from sharpi_jax.runtime.mtp import MTPRuntime
+from sharpi_jax.runtime.passes import pass_counts, pass_stats
+from sharpi_jax.runtime.speculative import MTPDecoder
 from sharpi_jax.runtime.state import repeat_as_snapshots
 from sharpi_jax.runtime.steps import Runtime
-from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node, tree_pass_stats
+from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node
 
 STOP_REASONS = (None, "eos", "max_new_tokens", "max_context")  # index = the loop's stop code
 
@@ -75,7 +77,8 @@ def _plain_fn(decode):
 
         def body(c):
             cache, state, pos, i, tok, out, _ = c
-            logits, _, state, cache = decode(params, cache, state, tok, pos)
+            step, cache = decode(params, cache, state, tok, pos)
+            logits, state = step.logits, step.state
             pos, i = pos + 1, i + 1
             tok = pick(logits, i)
             stop = _stop_code(tok, eos, i + 1, max_new)
@@ -89,7 +92,7 @@ def _plain_fn(decode):
 
 
 def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                        stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> tuple[list[int], dict[str, Any]]:
+                        stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> Generation:
     """`generate.generate_ids` (same arguments, tokens and stats, plus loop="device") with the decode
     loop on the device."""
     t0 = time.perf_counter()
@@ -110,7 +113,8 @@ def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens:
         tokens, stop = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)]
     t2 = time.perf_counter()
     stats = timing_stats(len(prompt), len(tokens), t0, t1, t2, stop)
-    return tokens, {**stats, **kv_eviction.kv_stats(evicted, int(pos), runtime.max_context), "loop": "device"}
+    return Generation(tokens, {**stats, **kv_eviction.kv_stats(evicted, int(pos), runtime.max_context),
+                               "loop": "device"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,8 +146,8 @@ def _chain_fn(commit_verify, draft):
             toks = toks.at[c["n_pend"]].set(c["t"])
             vtokens, mtp_cache, h_t = draft(mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"],
                                             c["pend_start"] - mtp_off, c["n_pend"] + 1, jnp.maximum(n_draft, 1), vocab)
-            logits, greedy_rows, hidden, state, snaps, cache = commit_verify(
-                params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
+            v, cache = commit_verify(params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
+            logits, greedy_rows, hidden, state, snaps = v
             if greedy:
                 target = greedy_rows
             else:
@@ -182,7 +186,7 @@ def _chain_fn(commit_verify, draft):
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                         sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                         kv: SnapKV | None = None, mtp_kv: str = "snapkv", zero_h_first: bool = False,
-                        vocab: DraftVocab | None = None) -> tuple[list[int], dict[str, Any]]:
+                        vocab: DraftVocab | None = None) -> Generation:
     """`speculative.generate_mtp` with batched verify (same arguments, tokens and stats except draft_s /
     verify_s, which one device program cannot split; plus loop="device") with every pass on the device."""
     t0 = time.perf_counter()
@@ -213,11 +217,11 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         "draft_tokens": dec.k,
         "verify": "batched",
         "draft_vocab": None if vocab is None else vocab.size,
-        **pass_stats_from_counts(dec.k, counts),
+        **pass_stats(dec.k, counts, "accept_per_position"),
         **kv_eviction.kv_stats(dec.evicted, P, runtime.max_context),
         "loop": "device",
     }
-    return tokens, stats
+    return Generation(tokens, stats)
 
 
 
@@ -253,9 +257,9 @@ def _tree_fn(tree_commit_verify, root, level):
                 root, level, mtp_params, c_["mtp_cache"], toks, c_["h_prev"], c_["hidden"], c_["pend_start"] - 1,
                 c_["n_pend"] + 1, depth, n_nodes, K=K, N=N, c=c, S=S)
             tdepth, tparent, anc = tree_device.tree_arrays(tp, n)
-            logits, greedy_rows, hidden, state, snaps, cache = tree_commit_verify(
-                params, c_["cache"], c_["state"], c_["snaps"], c_["node"], c_["prev"], c_["path"], c_["n_path"], tt,
-                P, n, tdepth, tparent, anc)
+            v, cache = tree_commit_verify(params, c_["cache"], c_["state"], c_["snaps"], c_["node"], c_["prev"],
+                                          c_["path"], c_["n_path"], tt, P, n, tdepth, tparent, anc)
+            logits, greedy_rows, hidden, state, snaps = v
             if greedy:
                 target = greedy_rows
             else:
@@ -292,7 +296,7 @@ def _tree_fn(tree_commit_verify, root, level):
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                          sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                          tree_nodes: int = 8,
-                         max_snapshot_bytes: int | None = None) -> tuple[list[int], dict[str, Any]]:
+                         max_snapshot_bytes: int | None = None) -> Generation:
     """`tree.generate_tree` with batched verify (same arguments, tokens and stats except draft_s / verify_s;
     plus loop="device") with every pass (drafting the tree, verify, acceptance, commit) on the device."""
     t0 = time.perf_counter()
@@ -320,8 +324,9 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         "draft_tokens": dec.k,
         "tree_nodes": dec.n_nodes,
         "verify": "batched",
-        **tree_pass_stats(dec.k, passes),
+        **pass_stats(dec.k, pass_counts(dec.k, passes), "accept_per_depth"),
+        "drafted_nodes": [n for n, _, _ in passes],
         "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
         "loop": "device",
     }
-    return tokens, stats
+    return Generation(tokens, stats)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import jax
 
@@ -12,6 +12,13 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction
 from sharpi_jax.runtime.sampling import SamplingParams, sample
 from sharpi_jax.runtime.steps import Runtime
+
+
+class Generation(NamedTuple):
+    """What every generation loop returns: the generated token ids (not the prompt) and the run's stats."""
+
+    tokens: list[int]
+    stats: dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -24,8 +31,8 @@ class GenerateOutput:
 
 
 def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> tuple[list[int], dict[str, Any]]:
-    """Generate up to max_new_tokens after `prompt` (validated by the caller). Returns (tokens, stats).
+                 stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> Generation:
+    """Generate up to max_new_tokens after `prompt` (validated by the caller). Returns `Generation(tokens, stats)`.
     kv: SnapKV eviction at prefill (`kv_eviction`; None: keep every position).
 
     stats: prompt_tokens, generated_tokens, prefill_s, prefill_tok_s, decode_s, decode_tok_s
@@ -55,7 +62,7 @@ def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, s
     jax.block_until_ready(logits)
     t2 = time.perf_counter()
     stats = timing_stats(len(prompt), len(out), t0, t1, t2, stop if max_new_tokens > 0 else "max_new_tokens")
-    return out, {**stats, **kv_eviction.kv_stats(evicted, pos, runtime.max_context)}
+    return Generation(out, {**stats, **kv_eviction.kv_stats(evicted, pos, runtime.max_context)})
 
 
 def timing_stats(n_prompt: int, n_out: int, t0: float, t1: float, t2: float, stop: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.runtime.sampling import SamplingParams
 
 SPECULATIVE_MODES = (None, "mtp", "mtp_tree")
-VERIFY_MODES = ("batched", "sequential")
+VERIFY_MODES = ("batched", "sequential")  # the one definition (the decoders assert it)
 LOOPS = ("device", "host")
 DEFAULT_TREE_NODES = 8
 
@@ -57,6 +57,9 @@ class GenerateOptions:
             raise InputError("tree_nodes and max_snapshot_bytes apply to speculative='mtp_tree' only")
         _positive("tree_nodes", self.tree_nodes)
         _positive("max_snapshot_bytes", self.max_snapshot_bytes)
+        if self.speculative == "mtp_tree" and self.nodes < self.draft_tokens:
+            raise InputError(f"tree speculation needs draft_tokens <= tree_nodes, got draft_tokens="
+                             f"{self.draft_tokens}, tree_nodes={self.tree_nodes}")
         if self.draft_vocab is not None and self.speculative != "mtp":
             raise InputError("draft_vocab applies to speculative='mtp' (the chain) only")
         if not isinstance(self.sampling, SamplingParams):

@@ -18,9 +18,8 @@ head consumes. Every step also runs on a state whose attention caches were compa
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +31,59 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.model.tree import TreeRows, tree_arrays
+from sharpi_jax.runtime.compiled import Graph, jit_factory, split
 from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
                                       select_snapshot)
 
 MAX_PADDING_SHARE = 0.25  # a chunk may round up to a bucket when at most this share of it is padding
+
+
+class PrefillChunk(NamedTuple):
+    """One prefill bucket: final-normed hidden [B, D], the logits [V] of its last valid row, the state, and
+    with_q the attention layers' post-rope queries (a tuple of [B, Hq, hd]; else ())."""
+
+    hidden: jax.Array
+    logits: jax.Array
+    state: DecodeState
+    queries: tuple
+
+
+class Prefill(NamedTuple):
+    """A prompt's prefill: chunks [(hidden [B, D], n_valid)] per bucket, the last prompt row's logits [V],
+    the state."""
+
+    chunks: list
+    logits: jax.Array
+    state: DecodeState
+
+
+class Step(NamedTuple):
+    """One decoded token: logits [V], final-normed hidden [D], the state after it."""
+
+    logits: jax.Array
+    hidden: jax.Array
+    state: DecodeState
+
+
+class Verified(NamedTuple):
+    """T verify rows: logits [T, V], hidden [T, D], the state (KV written, GDN unchanged), the GDN
+    snapshots after every row."""
+
+    logits: jax.Array
+    hidden: jax.Array
+    state: DecodeState
+    snaps: Snapshots
+
+
+class Pass(NamedTuple):
+    """A trunk pass (commit + verify rows): logits [T, V], greedy (argmax of each row [T] int32), hidden
+    [T, D], the state, the GDN snapshots after every row."""
+
+    logits: jax.Array
+    greedy: jax.Array
+    hidden: jax.Array
+    state: DecodeState
+    snaps: Snapshots
 
 
 def prefill_plan(n: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
@@ -56,18 +104,13 @@ def prefill_plan(n: int, buckets: Sequence[int]) -> list[tuple[int, int]]:
     return plan
 
 
-@functools.lru_cache(maxsize=None)
-def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
-    """The jitted steps of one model graph (graphdef is static: hashed once here, not per call).
-
-    Params travel as a flat tuple of arrays (`treedef` rebuilds the nnx.State inside the trace):
-    flattening an nnx.State on every call costs ~0.1-0.3 ms, a tuple almost nothing. `cache` is the
-    flat tuple of mutable expert-residency arrays (`ExpertCache`; empty without a budget): the model
-    steps take it donated and return its new value.
+@jit_factory
+def _step_fns(graph: Graph) -> dict:
+    """The jitted steps of one model graph (`compiled.jit_factory`). `cache` is the flat tuple of mutable
+    expert-residency arrays (`ExpertCache`; empty without a budget): the model steps take it donated and
+    return (their named result, its new value).
     """
-
-    def merge(leaves, cache):
-        return nnx.merge(graphdef, jax.tree.unflatten(cache_treedef, cache), jax.tree.unflatten(treedef, leaves))
+    merge = graph.merge
 
     def cache_out(model):
         return tuple(jax.tree.leaves(nnx.state(model, ExpertCache)))
@@ -75,10 +118,10 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
     def prefill(params, cache, state, tokens, start, n_valid, gdn="chunked", with_q=False):
         model = merge(params, cache)
         hidden, state, *queries = model.prefill(state, tokens, start, n_valid, gdn, with_q)
-        queries = queries[0] if with_q else ()  # with_q: the attention layers' queries, flat
+        queries = tuple(queries[0]) if with_q else ()  # with_q: the attention layers' queries, flat
         last = jax.lax.dynamic_index_in_dim(hidden, jnp.maximum(n_valid - 1, 0), keepdims=True)
         logits = model.lm_head(jnp.concatenate([last, last]), 1)[0]  # 2 rows (row 1 padding): row-stable
-        return (hidden, logits, state, cache_out(model), *queries)
+        return PrefillChunk(hidden, logits, state, queries), cache_out(model)
 
     def head(params, cache, hidden):
         return merge(params, cache).lm_head(hidden)
@@ -87,19 +130,18 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
         model = merge(params, cache)
         tokens = jnp.stack([token, token])
         logits, hidden, state, snaps = model.rows(state, tokens, pos, jnp.int32(1))
-        return logits[0], hidden[0], select_snapshot(state, snaps, 0), cache_out(model)
+        return Step(logits[0], hidden[0], select_snapshot(state, snaps, 0)), cache_out(model)
 
     def verify(params, cache, state, tokens, pos, n_valid):
         model = merge(params, cache)
-        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid)
-        return logits, hidden, state, snaps, cache_out(model)
+        return Verified(*model.rows(state, tokens, pos, n_valid)), cache_out(model)
 
     def commit(state, snaps, index):
         return select_snapshot(state, snaps, index)
 
     def commit_verify(params, cache, state, snaps, index, tokens, pos, n_valid):
-        logits, hidden, state, snaps, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps, cache
+        v, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid)
+        return Pass(v.logits, jnp.argmax(v.logits, axis=-1).astype(jnp.int32), v.hidden, v.state, v.snaps), cache
 
     def tree_commit_verify(params, cache, state, snaps, index, prev_pos, path, n_path, tokens, pos, n_valid,
                            depth, parent, anc):
@@ -107,16 +149,16 @@ def _step_fns(graphdef, treedef, cache_treedef) -> SimpleNamespace:
         model = merge(params, cache)
         tree = TreeRows(depth, parent, pos + jnp.arange(tokens.shape[0], dtype=jnp.int32), pos + anc)
         logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps, cache_out(model)
+        return Pass(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps), cache_out(model)
 
-    return SimpleNamespace(
-        tree_commit_verify=jax.jit(tree_commit_verify, donate_argnums=(1, 2, 3)),
-        prefill=jax.jit(prefill, donate_argnums=(1, 2), static_argnames=("gdn", "with_q")),
-        head=jax.jit(head),
-        decode=jax.jit(decode, donate_argnums=(1, 2)),
-        verify=jax.jit(verify, donate_argnums=(1, 2)),
-        commit=jax.jit(commit, donate_argnums=(0,)),
-        commit_verify=jax.jit(commit_verify, donate_argnums=(1, 2, 3)),
+    return dict(
+        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3))),
+        prefill=(prefill, dict(donate_argnums=(1, 2), static_argnames=("gdn", "with_q"))),
+        head=(head, {}),
+        decode=(decode, dict(donate_argnums=(1, 2))),
+        verify=(verify, dict(donate_argnums=(1, 2))),
+        commit=(commit, dict(donate_argnums=(0,))),
+        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3))),
     )
 
 
@@ -132,23 +174,21 @@ class Runtime:
         self.max_context = int(max_context)
         self.run = run if isinstance(run, RunConfig) else RunConfig(prefill_buckets=tuple(run))
         self.prefill_buckets = self.run.prefill_buckets
-        self.graphdef, cache, state = nnx.split(model, ExpertCache, ...)
-        leaves, treedef = jax.tree.flatten(state)
-        self.params = tuple(leaves)  # the model's arrays, flat (see _step_fns)
-        cache_leaves, self._cache_treedef = jax.tree.flatten(cache)
-        self.cache = tuple(cache_leaves)  # expert residency state, replaced after every step
-        self._fns = _step_fns(self.graphdef, treedef, self._cache_treedef)
+        # params: the model's arrays, flat; cache: expert residency state, replaced after every step
+        self.graph, self.params, self.cache = split(model, ExpertCache)
+        self._fns = _step_fns(self.graph)
 
     @property
     def steps(self) -> SimpleNamespace:
         """The jitted step functions of this model graph (`_step_fns`: prefill, decode, verify, commit,
-        commit_verify, tree_commit_verify), taking (params, cache, ...) explicitly: for programs that
-        nest them, such as the device loop."""
+        commit_verify, tree_commit_verify), taking (params, cache, ...) explicitly and returning (their
+        named result: `PrefillChunk`, `Step`, `Verified`, `Pass`; the new cache): for programs that nest
+        them, such as the device loop."""
         return self._fns
 
     def expert_cache_arrays(self) -> dict[tuple, jax.Array]:
         """The expert residency arrays by nnx path (empty without an expert budget)."""
-        state = jax.tree.unflatten(self._cache_treedef, self.cache)
+        state = jax.tree.unflatten(self.graph.cache_treedef, self.cache)
         return {tuple(p): (v.get_value() if hasattr(v, "get_value") else v) for p, v in nnx.to_flat_state(state)}
 
     def new_state(self) -> DecodeState:
@@ -156,11 +196,11 @@ class Runtime:
         return init_state(self.config, self.max_context)
 
     def prefill(self, state: DecodeState, ids: Sequence[int], start: int = 0, gdn: str = "chunked",
-                queries: list | None = None):
+                queries: list | None = None) -> Prefill:
         """Run prompt ids at positions start.. in bucketed chunks.
 
-        Returns (chunks, last_logits [V], state): chunks is a list of (hidden [B, D], n_valid) per
-        chunk (device arrays, rows >= n_valid are padding); last_logits is for the last prompt row.
+        Returns `Prefill(chunks, logits, state)`: chunks is a list of (hidden [B, D], n_valid) per
+        chunk (device arrays, rows >= n_valid are padding); logits [V] is for the last prompt row.
         queries (a list): receives, per chunk, (the attention layers' post-rope queries, a tuple of
         [B, Hq, hd], n_valid) (SnapKV's observation window), from a separately compiled prefill.
         """
@@ -174,29 +214,28 @@ class Runtime:
         for B, m in prefill_plan(n, self.prefill_buckets):
             toks = np.zeros(B, np.int32)
             toks[:m] = ids[off:off + m]
-            hidden, logits, state, self.cache, *qs = self._fns.prefill(
-                self.params, self.cache, state, toks, np.int32(start + off), np.int32(m), gdn=gdn,
-                with_q=queries is not None)
+            out, self.cache = self._fns.prefill(self.params, self.cache, state, toks, np.int32(start + off),
+                                                np.int32(m), gdn=gdn, with_q=queries is not None)
+            state, logits = out.state, out.logits
             if queries is not None:
-                queries.append((tuple(qs), m))
-            chunks.append((hidden, m))
+                queries.append((out.queries, m))
+            chunks.append((out.hidden, m))
             off += m
-        return chunks, logits, state
+        return Prefill(chunks, logits, state)
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """LM head on a [B, D] bucket of final-normed hidden rows (B >= 2)."""
         return self._fns.head(self.params, self.cache, hidden)
 
-    def decode_step(self, state: DecodeState, token: int, pos: int):
-        """One token at position pos -> (logits [V], hidden [D], state)."""
-        logits, hidden, state, self.cache = self._fns.decode(self.params, self.cache, state, np.int32(token),
-                                                             np.int32(pos))
-        return logits, hidden, state
+    def decode_step(self, state: DecodeState, token: int, pos: int) -> Step:
+        """One token at position pos -> `Step(logits [V], hidden [D], state)`."""
+        out, self.cache = self._fns.decode(self.params, self.cache, state, np.int32(token), np.int32(pos))
+        return out
 
     def verify_step(self, state: DecodeState, tokens: Sequence[int] | jax.Array, pos: int,
-                    n_valid: int | None = None):
-        """T >= 2 tokens at positions pos.. -> (logits [T, V], hidden [T, D], state with KV written and
-        GDN state unchanged, Snapshots). Follow with `commit(state, snaps, index)`.
+                    n_valid: int | None = None) -> Verified:
+        """T >= 2 tokens at positions pos.. -> `Verified(logits [T, V], hidden [T, D], state with KV written
+        and GDN state unchanged, snaps)`. Follow with `commit(state, snaps, index)`.
 
         n_valid < T: rows >= n_valid are bucket padding (no KV write, no expert reads; their outputs
         and snapshots are meaningless), so one width serves several draft lengths. `tokens` may be a
@@ -211,39 +250,38 @@ class Runtime:
             raise InputError(f"verify_step n_valid must be in [1, {T}], got {n_valid}")
         if pos + n_valid > self.max_context:
             raise InputError(f"{pos + n_valid} positions exceed max_context = {self.max_context}")
-        logits, hidden, state, snaps, self.cache = self._fns.verify(self.params, self.cache, state, tokens,
-                                                                    np.int32(pos), np.int32(n_valid))
-        return logits, hidden, state, snaps
+        out, self.cache = self._fns.verify(self.params, self.cache, state, tokens, np.int32(pos), np.int32(n_valid))
+        return out
 
     def commit(self, state: DecodeState, snaps: Snapshots, index: int) -> DecodeState:
         """Set the GDN state to snapshot `index` (the state after verify row `index`)."""
         return self._fns.commit(state, snaps, np.int32(index))
 
     def commit_verify(self, state: DecodeState, snaps: Snapshots | None, index: int, tokens: jax.Array, pos: int,
-                      n_valid: int):
+                      n_valid: int) -> Pass:
         """`commit(state, snaps, index)` (the previous pass's rollback; snaps=None: none) then
         `verify_step(state, tokens, pos, n_valid)` in ONE dispatch (the MTP loop's trunk pass).
-        Returns (logits [T, V], argmax of each row [T] int32, hidden [T, D], state, Snapshots)."""
+        Returns `Pass(logits [T, V], greedy (argmax of each row [T] int32), hidden [T, D], state, snaps)`."""
         T = tokens.shape[0]
         if not 1 <= n_valid <= T or pos + n_valid > self.max_context:
             raise InputError(f"commit_verify: {n_valid} rows at position {pos} (width {T}, max_context "
                              f"{self.max_context})")
         if snaps is None:  # "after row 0" of a pass that did not happen = the state itself
             snaps, index = repeat_as_snapshots(state, T), 0
-        logits, greedy, hidden, state, snaps, self.cache = self._fns.commit_verify(
-            self.params, self.cache, state, snaps, np.int32(index), tokens, np.int32(pos), np.int32(n_valid))
-        return logits, greedy, hidden, state, snaps
+        out, self.cache = self._fns.commit_verify(self.params, self.cache, state, snaps, np.int32(index), tokens,
+                                                  np.int32(pos), np.int32(n_valid))
+        return out
 
     def tree_commit_verify(self, state: DecodeState, snaps: Snapshots | None, index: int, prev_pos: int,
-                           path: np.ndarray, n_path: int, tokens, pos: int, n_valid: int, parent: np.ndarray):
+                           path: np.ndarray, n_path: int, tokens, pos: int, n_valid: int, parent: np.ndarray) -> Pass:
         """The previous tree pass's commit, then one pass over draft-tree rows, in ONE dispatch.
 
         Commit (skipped when snaps is None): GDN snapshot `index`, and the KV rows of the accepted path
         (rows path[:n_path] of the pass at prev_pos) moved to prev_pos, prev_pos + 1, .... Pass: row t
         (parent[t] < t, -1 for the root) at position pos + depth[t], its K/V at slot pos + t; rows >=
         n_valid are padding. Every valid row's logits, hidden and GDN snapshot are bitwise those of
-        single-token decode steps along its root path. Returns (logits [T, V], argmax [T] int32,
-        hidden [T, D], state, Snapshots (row t = the state after node t))."""
+        single-token decode steps along its root path. Returns `Pass(logits [T, V], greedy [T] int32,
+        hidden [T, D], state, snaps (row t = the state after node t))`."""
         T = tokens.shape[0]
         if not 1 <= n_valid <= T or pos + n_valid > self.max_context:
             raise InputError(f"tree pass: {n_valid} of {T} rows at position {pos} exceed max_context "
@@ -255,7 +293,7 @@ class Runtime:
         if snaps is None:
             snaps, index, n_path = repeat_as_snapshots(state, T), 0, 0
         path = np.zeros(T, np.int32) if path is None else np.asarray(path, np.int32)
-        logits, greedy, hidden, state, snaps, self.cache = self._fns.tree_commit_verify(
+        out, self.cache = self._fns.tree_commit_verify(
             self.params, self.cache, state, snaps, np.int32(index), np.int32(prev_pos), path, np.int32(n_path),
             tokens, np.int32(pos), np.int32(n_valid), depth, parent, anc)
-        return logits, greedy, hidden, state, snaps
+        return out

@@ -1,4 +1,5 @@
-"""Tree speculative decoding over the GDN/MoE hybrid: MTP-drafted trees, ONE trunk pass, per-node GDN state.
+"""Tree speculative decoding over the GDN/MoE hybrid: MTP-drafted trees, ONE trunk pass, per-node GDN state
+(`TreeDecoder`: the tree's drafter and verifier on the shared pass skeleton, `decoder.Decoder`).
 
 One pass, from the certain token t at position P:
 1. Draft (`tree_draft.TreeDrafter`): MTP KV catch-up along the previous pass's accepted path (paired
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Collection, Sequence
+from typing import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,10 @@ import numpy as np
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.cache import cache_shapes
-from sharpi_jax.runtime.generate import timing_stats
+from sharpi_jax.runtime.decoder import Decoder, Verdict, argmax_rows, generate_passes, stack_rows
+from sharpi_jax.runtime.generate import Generation
+from sharpi_jax.runtime.mtp import Draft, MTPRuntime
 from sharpi_jax.runtime.sampling import SamplingParams, sample
-from sharpi_jax.runtime.speculative import VERIFY_MODES, MTPRuntime, _argmax_rows, _stack_rows, emit_passes
 from sharpi_jax.runtime.state import gdn_caches, move_kv_rows, select_snapshot
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.tree_draft import DraftTree, TreeDrafter
@@ -68,8 +70,9 @@ def _commit(state, snaps, index, src, dst0, n):
     return move_kv_rows(select_snapshot(state, snaps, index), src, dst0, n)
 
 
-class TreeDecoder:
-    """Trunk + MTP state of one sequence and the tree pass (see the module docstring).
+class TreeDecoder(Decoder):
+    """The tree pass on the decoder skeleton (see the module docstring): trees of at most tree_nodes
+    (after the memory cap) nodes and depth draft_tokens from a `TreeDrafter`.
 
     `trace` (a list, optional) receives one dict per pass: tokens, parent, depth [n] of the tree, and
     for the rows computed (batched: all n nodes; sequential: the accepted path) rows [m] (node
@@ -79,91 +82,46 @@ class TreeDecoder:
 
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, tree_nodes: int,
                  verify: str = "batched", trace: list | None = None, max_snapshot_bytes: int | None = None):
-        if verify not in VERIFY_MODES:
-            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        k, n = int(draft_tokens), int(tree_nodes)
-        if k < 1 or n < k:
-            raise InputError(f"tree speculation needs 1 <= draft_tokens <= tree_nodes, got draft_tokens={k}, "
-                             f"tree_nodes={n}")
+        super().__init__(runtime, mtp, draft_tokens, verify, trace)
+        k, n = self.k, int(tree_nodes)
+        assert 1 <= k <= n, (k, n)  # checked in `options.GenerateOptions`
         capped = capped_tree_nodes(runtime.config, n, max_snapshot_bytes)
         if capped < k:
             raise InputError(f"max_snapshot_bytes={max_snapshot_bytes} holds {max(capped, 0) + 1} node snapshots "
                              f"of {snapshot_bytes_per_node(runtime.config)} bytes; depth {k} needs {k + 1}")
-        self.rt, self.mtp, self.k, self.n_nodes, self.verify = runtime, mtp, k, capped, verify
+        self.K, self.nodes = k, capped
+        self.n_nodes = self.max_nodes = capped  # n_nodes: the most drafts a pass holds, after the memory cap
         self.T = capped + 1  # trunk rows per pass (root + nodes)
         self.drafter = TreeDrafter(mtp, k, capped)
-        self.trace = trace
-        self.draft_s = self.verify_s = 0.0
 
-    def prefill(self, ids: Sequence[int]) -> jax.Array:
-        """Trunk prefill + MTP KV over ids. Returns the last row's logits [V]."""
-        rt = self.rt
-        chunks, logits, state = rt.prefill(rt.new_state(), ids)
-        cache, h_last, _ = self.mtp.prefill(self.mtp.new_cache(), ids, chunks)
-        self.state, self.cache, self.P = state, cache, len(ids)
-        self._commit = None  # batched: (snaps, node, P, path, n_path) of the last pass
-        self._pend, self._pend_start, self.h_prev = [], self.P, h_last
-        self._hidden = jnp.zeros((self.k + 1, rt.config.d_model), jnp.float32)
-        jax.block_until_ready((logits, cache))
-        return logits
+    def _draft(self, tokens, start, n_valid, depth, n_nodes) -> Draft:
+        return self.drafter.draft(self.cache, tokens, self.h_prev, self._hidden, start, n_valid, depth, n_nodes)
 
-    def step(self, t: int, depth: int, n_nodes: int, sampling: SamplingParams, index: int):
-        """One pass from the certain token t (generated-token index `index`) at position P with a tree
-        of at most n_nodes drafts and depth `depth`. Returns (accepted drafts, the target's next token,
-        the tree) and advances P by len(accepted) + 1."""
-        P = self.P
-        if not 0 <= depth <= min(self.k, n_nodes) or n_nodes > self.n_nodes or P + n_nodes >= self.rt.max_context:
-            raise InputError(f"a tree pass at position {P} with {n_nodes} nodes of depth {depth} does not fit")
-        t0 = time.perf_counter()
-        toks = np.zeros(self.k + 2, np.int32)
-        n_valid = len(self._pend) + 1
-        toks[:n_valid] = self._pend + [t]
-        tree, self.cache, h_t = self.drafter.draft(self.cache, toks, self.h_prev, self._hidden,
-                                                   self._pend_start - 1, n_valid, depth, n_nodes)
-        t1 = time.perf_counter()
-        if self.verify == "batched":
-            path, nxt, hidden = self._verify_batched(tree, sampling, index)
-        else:
-            path, nxt, hidden = self._verify_sequential(tree, sampling, index)
-        self.draft_s += t1 - t0
-        self.verify_s += time.perf_counter() - t1
-        accepted = [int(tree.tokens[i]) for i in path[1:]]
-        self._pend, self._pend_start, self.h_prev, self._hidden = [t] + accepted, P, h_t, hidden
-        self.P = P + len(accepted) + 1
-        return accepted, nxt, tree
+    def _apply_commit(self, state, commit):
+        snaps, node, prev, path, n_path = commit
+        return _commit(state, snaps, np.int32(node), np.int32(prev) + path, np.int32(prev), np.int32(n_path))
 
     @staticmethod
     def _accept(tree: DraftTree, target) -> tuple[list[int], int]:
-        """Walk from the root while a child holds the target's token. target(node) -> int.
+        """Walk from the root while a child holds the target's token. target(node, depth) -> int.
         Returns (accepted path of node indices, root first; the target's token at its last node)."""
         children: dict[int, dict[int, int]] = {}
         for i in range(1, tree.n):
             children.setdefault(int(tree.parent[i]), {})[int(tree.tokens[i])] = i
         path = [0]
         while True:
-            tok = target(path[-1])
+            tok = target(path[-1], int(tree.depth[path[-1]]))
             nxt = children.get(path[-1], {}).get(tok)
             if nxt is None:
                 return path, tok
             path.append(nxt)
 
-    def _target(self, logits_of, greedy_rows, tree, sampling, index):
-        def target(node):
-            if greedy_rows is not None:
-                return int(greedy_rows[node])
-            return int(sample(logits_of(node), sampling, index + int(tree.depth[node]) + 1))
-        return target
+    @staticmethod
+    def _size(tree: DraftTree) -> tuple[int, int]:
+        """(draft nodes, depth) of a drafted tree."""
+        return tree.n - 1, int(tree.depth.max())
 
-    def committed_state(self):
-        """The trunk state after the last accepted node (applies a pending batched commit)."""
-        if self._commit is not None:
-            snaps, node, prev, path, n_path = self._commit
-            self.state = _commit(self.state, snaps, np.int32(node), np.int32(prev) + path, np.int32(prev),
-                                 np.int32(n_path))
-            self._commit = None
-        return self.state
-
-    def _verify_batched(self, tree: DraftTree, sampling, index):
+    def _verify_batched(self, tree: DraftTree, depth, sampling, index):
         rt, T = self.rt, self.T
         tokens = np.zeros(T, np.int32)
         tokens[:tree.n] = tree.tokens
@@ -173,35 +131,33 @@ class TreeDecoder:
             snaps, node, prev, path, n_path = None, 0, 0, None, 0
         else:
             snaps, node, prev, path, n_path = self._commit
-        logits, greedy, hidden, state, snaps = rt.tree_commit_verify(self.state, snaps, node, prev, path, n_path,
-                                                                     tokens, self.P, tree.n, parent)
-        target = self._target(lambda r: logits[r], np.asarray(greedy) if sampling.greedy else None, tree,
-                              sampling, index)
+        v = rt.tree_commit_verify(self.state, snaps, node, prev, path, n_path, tokens, self.P, tree.n, parent)
+        target = self.target(lambda r: v.logits[r], np.asarray(v.greedy) if sampling.greedy else None, sampling,
+                             index)
         path, nxt = self._accept(tree, target)
         rows = np.zeros(T, np.int32)
         rows[:len(path)] = path
         if self.trace is not None:
-            n, gdn = tree.n, gdn_caches(snaps)
+            n, gdn = tree.n, gdn_caches(v.snaps)
             self.trace.append(dict(tokens=tree.tokens, parent=tree.parent, depth=tree.depth, chain=tree.chain,
-                                   rows=np.arange(n), logits=np.asarray(logits)[:n], hidden=np.asarray(hidden)[:n],
-                                   conv=tuple(np.asarray(g.conv)[:n] for g in gdn),
+                                   rows=np.arange(n), logits=np.asarray(v.logits)[:n],
+                                   hidden=np.asarray(v.hidden)[:n], conv=tuple(np.asarray(g.conv)[:n] for g in gdn),
                                    ssm=tuple(np.asarray(g.ssm)[:n] for g in gdn), path=path, accepted=len(path) - 1))
-        self.state, self._commit = state, (snaps, path[-1], self.P, rows, len(path))
-        return path, nxt, _take_rows(hidden, rows[:self.k + 1])
+        self.state, self._commit = v.state, (v.snaps, path[-1], self.P, rows, len(path))
+        accepted = [int(tree.tokens[i]) for i in path[1:]]
+        return Verdict(accepted, nxt, _take_rows(v.hidden, rows[:self.k + 1]), *self._size(tree))
 
-    def _verify_sequential(self, tree: DraftTree, sampling, index):
+    def _verify_sequential(self, tree: DraftTree, depth, sampling, index):
         """Single-token decode steps along the accepted path (the reference)."""
-        rt, state = self.rt, self.committed_state()
+        rt = self.rt
+        self.committed_state()
         out: dict[int, tuple] = {}
 
-        def target(node):  # decode the node (its parent was the last one decoded), then its target token
-            lg, h, self.state = rt.decode_step(self.state, int(tree.tokens[node]), self.P + int(tree.depth[node]))
+        def target(node, node_depth):  # decode the node (its parent was the last one decoded), then its target
+            lg, h, self.state = rt.decode_step(self.state, int(tree.tokens[node]), self.P + node_depth)
             out[node] = (lg, h, jax.tree.map(jnp.copy, gdn_caches(self.state)) if self.trace is not None else None)
-            if sampling.greedy:
-                return int(_argmax_rows(lg))
-            return int(sample(lg, sampling, index + int(tree.depth[node]) + 1))
+            return int(argmax_rows(lg)) if sampling.greedy else int(sample(lg, sampling, index + node_depth + 1))
 
-        self.state = state
         path, nxt = self._accept(tree, target)
         if self.trace is not None:
             gdn = [out[i][2] for i in path]
@@ -212,32 +168,14 @@ class TreeDecoder:
                                    conv=tuple(np.stack([np.asarray(g[j].conv) for g in gdn]) for j in per_layer),
                                    ssm=tuple(np.stack([np.asarray(g[j].ssm) for g in gdn]) for j in per_layer),
                                    path=path, accepted=len(path) - 1))
-        return path, nxt, _stack_rows(tuple(out[i][1] for i in path), self.k + 1)
-
-
-def tree_pass_stats(k: int, passes: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """Stats from (nodes verified, tree depth, accepted) per pass; drafted_nodes: the nodes verified, per pass."""
-    drafted = sum(n for n, _, _ in passes)
-    accepted = sum(a for _, _, a in passes)
-    per_depth = []
-    for i in range(1, k + 1):
-        tried = [a for _, d, a in passes if d >= i]
-        per_depth.append(sum(a >= i for a in tried) / len(tried) if tried else 0.0)
-    return {
-        "drafted": drafted,
-        "drafted_nodes": [n for n, _, _ in passes],
-        "accepted": accepted,
-        "verify_passes": len(passes),
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accept_len": (accepted + len(passes)) / len(passes) if passes else 0.0,
-        "accept_per_depth": per_depth,
-    }
+        accepted = [int(tree.tokens[i]) for i in path[1:]]
+        return Verdict(accepted, nxt, stack_rows(tuple(out[i][1] for i in path), self.k + 1), *self._size(tree))
 
 
 def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                   sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                   tree_nodes: int = 8, verify: str = "batched", trace: list | None = None,
-                  max_snapshot_bytes: int | None = None) -> tuple[list[int], dict[str, Any]]:
+                  max_snapshot_bytes: int | None = None) -> Generation:
     """Tree speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
 
     stats: those of `generate_ids` plus speculative ("mtp_tree"), draft_tokens (depth), tree_nodes
@@ -249,29 +187,7 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     """
     t0 = time.perf_counter()
     dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes)
-    logits = dec.prefill(prompt)
-    t1 = time.perf_counter()
-    passes: list[tuple[int, int, int]] = []
-
-    def one_pass(out: list[int]) -> list[int]:
-        n_nodes = min(dec.n_nodes, runtime.max_context - 1 - dec.P)
-        depth = min(dec.k, n_nodes)
-        accepted, nxt, tree = dec.step(out[-1], depth, n_nodes, sampling, len(out) - 1)
-        passes.append((tree.n - 1, int(tree.depth.max()), len(accepted)))
-        return accepted + [nxt]
-
-    first = [int(sample(logits, sampling, 0))] if max_new_tokens > 0 else []
-    out, stop = emit_passes(first, max_new_tokens, stop_ids, runtime.max_context, lambda: dec.P, one_pass)
-    t2 = time.perf_counter()
-    stats = {
-        **timing_stats(len(prompt), len(out), t0, t1, t2, stop),
-        "speculative": "mtp_tree",
-        "draft_tokens": dec.k,
-        "tree_nodes": dec.n_nodes,
-        "verify": verify,
-        **tree_pass_stats(dec.k, passes),
-        "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
-        "draft_s": dec.draft_s,
-        "verify_s": dec.verify_s,
-    }
-    return out, stats
+    out, stats, passes = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_depth", t0)
+    return Generation(out, {**stats, "speculative": "mtp_tree", "draft_tokens": dec.k, "tree_nodes": dec.n_nodes,
+                            "verify": verify, "drafted_nodes": [n for n, _, _ in passes],
+                            "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config)})

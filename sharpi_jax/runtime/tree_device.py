@@ -10,8 +10,22 @@ drafted tree (tokens, parents, depths, row order) is the host drafter's exactly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+
+class DeviceTree(NamedTuple):
+    """A tree drafted on the device: tokens [N + 1], parent rows [N + 1] (-1: none), depths [N + 1], rows
+    valid n, the MTP cache, the trunk hidden paired with the certain token."""
+
+    tokens: jax.Array
+    parent: jax.Array
+    depth: jax.Array
+    n: jax.Array
+    cache: object
+    h: jax.Array
 
 
 def _neg(score):
@@ -28,8 +42,7 @@ def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_vali
                K: int, N: int, c: int, S: int):
     """One tree draft (root call with the MTP catch-up, then up to K - 1 level calls), `TreeDrafter.draft`
     on device. root / level: the jitted calls of `tree_draft._tree_mtp_fns`; N: the most drafts a pass
-    holds; S: the MTP cache length. Returns (tree tokens [N + 1], parent rows [N + 1] (-1: none), depths
-    [N + 1], rows valid n, cache, the h paired with the certain token)."""
+    holds; S: the MTP cache length. Returns a `DeviceTree`."""
     B = max(2, c)
     W = max(1, K)
     Nc = 1 + c + (K - 1) * c * c
@@ -81,7 +94,7 @@ def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_vali
         def skip(cache, prev_hp):
             return (jnp.zeros((B, c), jnp.int32), jnp.zeros((B, c), jnp.float32), prev_hp, cache)
 
-        idx, lp, hp, cache = jax.lax.cond(active, run, skip, cache, prev_hp)
+        idx, lp, hp, cache = jax.lax.cond(active, lambda *a: tuple(run(*a))[:4], skip, cache, prev_hp)
         prev_hp = hp
         off = 1 + c + (d - 1) * c * c
         blk = slice(off, off + c * c)
@@ -106,7 +119,7 @@ def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_vali
     tree_tok = jnp.concatenate([tok[:1], jnp.where(inside, tok[order], 0)])
     tree_par = jnp.concatenate([jnp.full((1,), -1, jnp.int32), jnp.where(inside, row_of[par[order]], -1)])
     tree_dep = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(inside, dep[order], 0)])
-    return tree_tok, tree_par, tree_dep, 1 + n_kept, cache, h_t
+    return DeviceTree(tree_tok, tree_par, tree_dep, 1 + n_kept, cache, h_t)
 
 
 def tree_arrays(parent, n_valid):

@@ -22,25 +22,35 @@ from the same state.
 from __future__ import annotations
 
 import dataclasses
-import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from sharpi_jax.model.tree import TreeRows
-from sharpi_jax.runtime.speculative import MTPRuntime
+from sharpi_jax.runtime.compiled import Graph, jit_factory
+from sharpi_jax.runtime.mtp import Draft, MTPRuntime
 
 MAX_BRANCH = 8  # children per expanded node and expanded nodes per depth, at most
 
 
-@functools.lru_cache(maxsize=None)
-def _tree_mtp_fns(graphdef, treedef):
-    """Jitted MTP tree-drafting calls of one head graph (the functional pattern of `speculative._mtp_fns`)."""
+class Expansion(NamedTuple):
+    """One drafting call's top-c children per row: ids [R, c] (the root call: [c]), their draft log-probs,
+    the rows' MTP output h' (the root call: the depth-1 parent rows [max(2, c), D]), the cache, and (the
+    root call only) the trunk hidden paired with the certain token."""
 
-    def merge(leaves):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    idx: jax.Array
+    logp: jax.Array
+    hidden: jax.Array
+    cache: object
+    h: jax.Array | None = None
+
+
+@jit_factory
+def _tree_mtp_fns(graph: Graph) -> dict:
+    """Jitted MTP tree-drafting calls of one head graph (`compiled.jit_factory`): root, level."""
+    merge = graph.merge
 
     def top(mtp, hp, c, rows=None):
         logits = mtp.logits(hp, rows)
@@ -57,17 +67,17 @@ def _tree_mtp_fns(graphdef, treedef):
         idx, lp = top(mtp, jnp.stack([h, h]), c, 1)  # a 2-row bucket (row 1 padding): the row-stable kernel
         h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
         rows = jnp.broadcast_to(h, (max(2, c), h.shape[0]))  # the parent rows of depth 1 (level calls)
-        return idx[0], lp[0], rows, cache, h_t
+        return Expansion(idx[0], lp[0], rows, cache, h_t)
 
     def level(params, cache, tokens, prev_hp, pidx, base, n_valid, depth, slots, anc, c):
         mtp = merge(params)
         tree = TreeRows(depth, jnp.full_like(depth, -1), slots, anc)
         hp, cache = mtp(tokens, prev_hp[pidx], base, n_valid, cache, tree)
         idx, lp = top(mtp, hp, c, n_valid)
-        return idx, lp, hp, cache
+        return Expansion(idx, lp, hp, cache)
 
-    return (jax.jit(root, donate_argnums=(1,), static_argnums=(7,)),
-            jax.jit(level, donate_argnums=(1,), static_argnums=(10,)))
+    return dict(root=(root, dict(donate_argnums=(1,), static_argnums=(7,))),
+                level=(level, dict(donate_argnums=(1,), static_argnums=(10,))))
 
 
 @dataclasses.dataclass
@@ -98,13 +108,14 @@ class TreeDrafter:
         self.mtp, self.k, self.n_nodes = mtp, int(draft_tokens), int(tree_nodes)
         self.c = branching(self.k, self.n_nodes)
         self.rows = max(2, self.c)  # MTP rows per level call (>= 2: the row-stable kernel)
-        self.root, self.level = _tree_mtp_fns(*mtp.graph)  # the jitted calls (the device loop nests them)
+        fns = _tree_mtp_fns(mtp.graph)
+        self.root, self.level = fns.root, fns.level  # the jitted calls (the device loop nests them)
 
     def draft(self, cache, tokens: np.ndarray, h_prev, hidden, start: int, n_valid: int, depth: int,
-              n_nodes: int) -> tuple[DraftTree, object, jax.Array]:
+              n_nodes: int) -> Draft:
         """KV catch-up rows 0..n_valid-2 and the certain token at row n_valid-1 (MTP positions start..,
         as `MTPRuntime.draft`), then a tree of at most n_nodes drafts and depth `depth` (0: the root only).
-        Returns (tree, cache, the h paired with the certain token)."""
+        Returns `Draft(the DraftTree, cache, the h paired with the certain token)`."""
         idx, lp, root_h, cache, h_t = self.root(self.mtp.params, cache, np.asarray(tokens, np.int32), h_prev,
                                                  hidden, np.int32(start), np.int32(n_valid), self.c)
         R = start + n_valid - 1  # the certain token's MTP position
@@ -143,8 +154,8 @@ class TreeDrafter:
                     path.append(slot[j])
                     j = par[j]
                 anc[b, :d] = path[::-1]
-            idx, lp, prev_hp, cache = self.level(self.mtp.params, cache, btok, prev_hp, pidx, np.int32(base),
-                                                 np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c)
+            idx, lp, prev_hp, cache, _ = self.level(self.mtp.params, cache, btok, prev_hp, pidx, np.int32(base),
+                                                    np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c)
             idx, lp = np.asarray(idx), np.asarray(lp)
             prev_row = {i: b for b, i in enumerate(beam)}
             for b, i in enumerate(beam):
@@ -152,7 +163,7 @@ class TreeDrafter:
                     tok.append(int(idx[b, j])), par.append(i), dep.append(d + 1)
                     score.append(float(np.float32(score[i]) + lp[b, j]))  # float32 sums, as `tree_device`
                     chain.append(chain[i] and j == 0)
-        return self._select(tok, par, dep, score, chain, n_nodes), cache, h_t
+        return Draft(self._select(tok, par, dep, score, chain, n_nodes), cache, h_t)
 
     @staticmethod
     def _select(tok, par, dep, score, chain, n_nodes: int) -> DraftTree:

@@ -103,11 +103,11 @@ def test_mtp_rows_are_row_stable(name):
     toks = references(name)["variants"][f"{name}-F32"]["tokens"][2][:9]
     _, hidden = e.forward(toks)
     hs = jnp.asarray(hidden)
-    many, cache_many = mtp.rows(mtp.new_cache(), toks, hs, 0, 9)
+    many, cache_many, _ = mtp.rows(mtp.new_cache(), toks, hs, 0, 9)
     cache = mtp.new_cache()
     single = []
     for i, t in enumerate(toks):
-        hp, cache = mtp.rows(cache, [t, t], jnp.stack([hs[i], hs[i]]), i, 1)
+        hp, cache, _ = mtp.rows(cache, [t, t], jnp.stack([hs[i], hs[i]]), i, 1)
         single.append(np.asarray(hp[0]))
     assert_bitwise_equal(np.asarray(many), np.stack(single))
     assert_bitwise_equal(cache_many, cache)

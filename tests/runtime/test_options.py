@@ -23,6 +23,7 @@ from sharpi_jax.runtime.sampling import SamplingParams
     (dict(tree_nodes=4), "apply to speculative='mtp_tree' only"),
     (dict(speculative="mtp_tree", tree_nodes=0), "tree_nodes must be a positive integer"),
     (dict(speculative="mtp_tree", max_snapshot_bytes=-5), "max_snapshot_bytes must be a positive integer"),
+    (dict(speculative="mtp_tree", draft_tokens=3, tree_nodes=2), "draft_tokens <= tree_nodes"),
     (dict(draft_vocab=64), "draft_vocab applies to speculative='mtp'"),
     (dict(sampling={"temperature": 1.0}), "sampling must be a SamplingParams"),
 ])

@@ -18,7 +18,8 @@ from sharpi_jax.config import tiny_qwen35moe
 from sharpi_jax.errors import InputError
 from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
-from sharpi_jax.runtime.speculative import generate_mtp, llamacpp_protocol
+from sharpi_jax.runtime.llamacpp import llamacpp_protocol
+from sharpi_jax.runtime.speculative import generate_mtp
 from sharpi_jax.testing import write_synthetic_gguf
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, fixture_path, load_references

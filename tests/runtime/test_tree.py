@@ -247,7 +247,7 @@ def reference_tree(e, prompt, t, k, nodes):
     P = len(prompt)
 
     def expand(cache, tok, h, pos):
-        hp, cache = mtp.rows(jax.tree.map(jnp.copy, cache), [tok, tok], jnp.stack([h, h]), pos, 1)
+        hp, cache, _ = mtp.rows(jax.tree.map(jnp.copy, cache), [tok, tok], jnp.stack([h, h]), pos, 1)
         x = np.asarray(mtp.logits(hp))[0].astype(np.float64)
         lp = x - x.max() - np.log(np.sum(np.exp(x - x.max())))
         top = np.argsort(-lp, kind="stable")[:c]
