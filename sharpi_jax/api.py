@@ -324,9 +324,6 @@ class Engine:
         eviction policy resolved (None: none)."""
         if not isinstance(opts, GenerateOptions):
             raise InputError(f"options must be a GenerateOptions, got {type(opts).__name__}")
-        if opts.speculative == "mtp_tree" and kv is not None:
-            raise InputError("speculative='mtp_tree' over a SnapKV-evicted cache is not supported yet: use "
-                             "speculative='mtp' with kv_policy='snapkv', or mtp_tree without eviction")
         mtp = self.mtp if opts.speculative is not None else None
         vocab = mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
         ids = self._prompt_ids(ids_or_text)

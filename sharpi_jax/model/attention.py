@@ -154,6 +154,8 @@ class GatedAttention(nnx.Module):
         slot_pos [Hkv, S], shift: an evicted (SnapKV-compacted) cache, `sharpi_jax.model.cache.AttnCache`."""
         T = x.shape[0]
         Hq, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
+        if tree is not None and shift is not None:  # a compacted cache: the tree's slots move down by shift
+            tree = tree._replace(slots=tree.slots - shift, anc=tree.anc - shift)
         G = Hq // Hkv
         S = cache_k.shape[1]
         n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first; the rest is bucket padding

@@ -229,10 +229,12 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
 def _tree_fn(tree_commit_verify, root, level):
     """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls."""
 
-    def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, eos, sampling,
-            out, K, N, c, greedy):
+    def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, slot_room, eos,
+            sampling, out, K, N, c, greedy):
         pick = _picker(greedy, sampling)
-        T, D, S = N + 1, h_last.shape[0], mtp_cache.k.shape[1]
+        T, D = N + 1, h_last.shape[0]
+        # Where the MTP cache's slots end, as a position (a compacted cache: its slots + shift), as the host.
+        S = mtp_cache.k.shape[1] + (0 if mtp_cache.shift is None else mtp_cache.shift)
         tok = pick(logits, jnp.int32(0))
         stop = _stop_code(tok, eos, 1, max_new)
         stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
@@ -249,7 +251,7 @@ def _tree_fn(tree_commit_verify, root, level):
 
         def body(c_):
             P = c_["P"]
-            n_nodes = jnp.minimum(N, max_context - 1 - P)
+            n_nodes = jnp.minimum(N, jnp.minimum(max_context - 1 - P, slot_room - P))
             depth = jnp.minimum(K, n_nodes)
             toks = jnp.concatenate([jnp.where(krows < c_["n_pend"], c_["vt"], 0), jnp.zeros((1,), jnp.int32)])
             toks = toks.at[c_["n_pend"]].set(c_["t"])
@@ -295,12 +297,13 @@ def _tree_fn(tree_commit_verify, root, level):
 
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                          sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
-                         tree_nodes: int = 8,
-                         max_snapshot_bytes: int | None = None) -> Generation:
+                         tree_nodes: int = 8, max_snapshot_bytes: int | None = None,
+                         kv: SnapKV | None = None) -> Generation:
     """`tree.generate_tree` with batched verify (same arguments, tokens and stats except draft_s / verify_s;
     plus loop="device") with every pass (drafting the tree, verify, acceptance, commit) on the device."""
     t0 = time.perf_counter()
-    dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, "batched", max_snapshot_bytes=max_snapshot_bytes)
+    dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, "batched", max_snapshot_bytes=max_snapshot_bytes,
+                      kv=kv, kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context))
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     P, passes = dec.P, []
@@ -308,9 +311,12 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         tokens, stop = [], "max_new_tokens"
     else:
         fn = _tree_fn(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level)
+        ev = dec.evicted  # as the chain: slot_room - P = the nodes a compacted cache's slots still hold
+        slot_room = runtime.max_context if ev is None else ev.capacity - 1 + ev.shift
         out, n, code, end, counts, runtime.cache = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
-            np.int32(max_new_tokens), np.int32(runtime.max_context), _eos_array(stop_ids), traced_params(sampling),
+            np.int32(max_new_tokens), np.int32(runtime.max_context), np.int32(slot_room), _eos_array(stop_ids),
+            traced_params(sampling),
             np.zeros(out_slots(max_new_tokens, dec.n_nodes), np.int32), K=dec.k, N=dec.n_nodes, c=dec.drafter.c,
             greedy=sampling.greedy)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
@@ -327,6 +333,7 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         **pass_stats(dec.k, pass_counts(dec.k, passes), "accept_per_depth"),
         "drafted_nodes": [n for n, _, _ in passes],
         "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
+        **kv_eviction.kv_stats(dec.evicted, P, runtime.max_context),
         "loop": "device",
     }
     return Generation(tokens, stats)

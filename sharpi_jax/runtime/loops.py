@@ -31,10 +31,10 @@ LOOPS: dict[tuple[str | None, bool], Loop] = {
         rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, o.verify, kv=kv, vocab=vocab),
     ("mtp_tree", True): lambda rt, mtp, ids, o, stop, kv, vocab: generate_tree_device(
         rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, o.nodes,
-        max_snapshot_bytes=o.max_snapshot_bytes),
+        max_snapshot_bytes=o.max_snapshot_bytes, kv=kv),
     ("mtp_tree", False): lambda rt, mtp, ids, o, stop, kv, vocab: generate_tree(
         rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, o.nodes, o.verify,
-        max_snapshot_bytes=o.max_snapshot_bytes),
+        max_snapshot_bytes=o.max_snapshot_bytes, kv=kv),
 }
 
 

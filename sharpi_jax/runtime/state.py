@@ -93,14 +93,16 @@ def repeat_as_snapshots(state: DecodeState, n_rows: int) -> Snapshots:
 
 def move_kv_rows(state: DecodeState, src: jax.Array, dst0: jax.Array, n: jax.Array) -> DecodeState:
     """Every attention layer's KV rows src[i] -> dst0 + i for i < n (all read before any write): a
-    draft tree's accepted path moved into place. src [W] int32."""
+    draft tree's accepted path moved into place. src [W] int32, positions: a compacted (SnapKV) layer
+    moves its slots position - shift."""
     i = jnp.arange(src.shape[0], dtype=jnp.int32)
 
     def move(c: AttnCache) -> AttnCache:
         S = c.k.shape[1]
-        dst = jnp.where(i < n, dst0 + i, S)
-        s = jnp.clip(src, 0, S - 1)
-        return AttnCache(c.k.at[:, dst, :].set(c.k[:, s, :], mode="drop"),
-                         c.v.at[:, dst, :].set(c.v[:, s, :], mode="drop"))
+        off = 0 if c.shift is None else c.shift
+        dst = jnp.where(i < n, dst0 - off + i, S)
+        s = jnp.clip(src - off, 0, S - 1)
+        return c._replace(k=c.k.at[:, dst, :].set(c.k[:, s, :], mode="drop"),
+                          v=c.v.at[:, dst, :].set(c.v[:, s, :], mode="drop"))
 
     return tuple(move(c) if isinstance(c, AttnCache) else c for c in state)

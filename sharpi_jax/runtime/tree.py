@@ -36,6 +36,8 @@ import numpy as np
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.cache import cache_shapes
+from sharpi_jax.model.snapkv import SnapKV
+from sharpi_jax.runtime import kv_eviction
 from sharpi_jax.runtime.decoder import Decoder, Verdict, argmax_rows, generate_passes, stack_rows
 from sharpi_jax.runtime.generate import Generation
 from sharpi_jax.runtime.mtp import Draft, MTPRuntime
@@ -81,8 +83,9 @@ class TreeDecoder(Decoder):
     """
 
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, tree_nodes: int,
-                 verify: str = "batched", trace: list | None = None, max_snapshot_bytes: int | None = None):
-        super().__init__(runtime, mtp, draft_tokens, verify, trace)
+                 verify: str = "batched", trace: list | None = None, max_snapshot_bytes: int | None = None,
+                 kv: SnapKV | None = None, kv_capacity: int | None = None):
+        super().__init__(runtime, mtp, draft_tokens, verify, trace, kv=kv, kv_capacity=kv_capacity)
         k, n = self.k, int(tree_nodes)
         assert 1 <= k <= n, (k, n)  # checked in `options.GenerateOptions`
         capped = capped_tree_nodes(runtime.config, n, max_snapshot_bytes)
@@ -175,7 +178,7 @@ class TreeDecoder(Decoder):
 def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                   sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                   tree_nodes: int = 8, verify: str = "batched", trace: list | None = None,
-                  max_snapshot_bytes: int | None = None) -> Generation:
+                  max_snapshot_bytes: int | None = None, kv: SnapKV | None = None) -> Generation:
     """Tree speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
 
     stats: those of `generate_ids` plus speculative ("mtp_tree"), draft_tokens (depth), tree_nodes
@@ -183,11 +186,14 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     (the nodes each pass actually drafted and verified, a list), accepted, verify_passes,
     acceptance_rate (accepted / drafted), mean_accept_len (accepted + 1 per trunk pass),
     accept_per_depth (fraction of the passes whose tree reached depth i that accepted >= i tokens),
-    snapshot_bytes_per_node, draft_s, verify_s.
+    snapshot_bytes_per_node, draft_s, verify_s. kv: SnapKV eviction at prefill (trunk and MTP head, as
+    `speculative.generate_mtp`), adding kv_slots / kv_evicted / kv_capacity.
     """
     t0 = time.perf_counter()
-    dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes)
+    dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes, kv=kv,
+                      kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context))
     out, stats, passes = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_depth", t0)
     return Generation(out, {**stats, "speculative": "mtp_tree", "draft_tokens": dec.k, "tree_nodes": dec.n_nodes,
                             "verify": verify, "drafted_nodes": [n for n, _, _ in passes],
-                            "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config)})
+                            "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
+                            **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context)})

@@ -39,10 +39,10 @@ def _last(flag):
 
 
 def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_valid, depth, n_nodes, *,
-               K: int, N: int, c: int, S: int):
+               K: int, N: int, c: int, S):
     """One tree draft (root call with the MTP catch-up, then up to K - 1 level calls), `TreeDrafter.draft`
     on device. root / level: the jitted calls of `tree_draft._tree_mtp_fns`; N: the most drafts a pass
-    holds; S: the MTP cache length. Returns a `DeviceTree`."""
+    holds; S: where the MTP cache's slots end, as a position (its length + shift). Returns a `DeviceTree`."""
     B = max(2, c)
     W = max(1, K)
     Nc = 1 + c + (K - 1) * c * c

@@ -5,8 +5,8 @@
     python -m tests.experts.expert_parallel_checks --devices=4 [--generate=FILE ...] FILE [FILE ...]
 
 Every file: logits bitwise and the bytes each device holds; the files in --generate also: greedy and
-MTP (batched verify, MTP_DRAFTS drafts; chain and tree, and the chain over a SnapKV-evicted cache next to
-one device's) tokens over --new_tokens tokens (EOS ignored) and teacher-forced MTP logits (each file
+MTP (batched verify, MTP_DRAFTS drafts; chain and tree, and the chain and the tree over a SnapKV-evicted
+cache next to one device's chain) tokens over --new_tokens tokens (EOS ignored) and teacher-forced MTP logits (each file
 compiles its own graphs: these checks cost ~4x the logits check). --hlo=FILE: the collectives of the
 compiled expert-parallel MoE layer and trunk pass.
 """
@@ -62,6 +62,8 @@ def check_file(path: str, n: int, prompt: str, new_tokens: int, generate: bool) 
         snap_par = par.generate(long_ids, **gen, **kv)
         out["snapkv_one"], out["snapkv_parallel"] = snap_one.tokens, snap_par.tokens
         out["snapkv_evicted"] = snap_par.stats["kv_evicted"]
+        snap_tree = par.generate(long_ids, **gen, **{**kv, "speculative": "mtp_tree", "tree_nodes": TREE_NODES})
+        out["snapkv_tree_parallel"] = snap_tree.tokens
     # What each device holds: the routed experts split by expert id, every other param in full.
     out["expert_bytes_one"] = sum(parallel.device_bytes(one.model, parallel.is_routed_expert).values())
     out["expert_bytes"] = [parallel.device_bytes(par.model, parallel.is_routed_expert).get(d, 0)

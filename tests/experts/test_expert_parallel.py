@@ -144,8 +144,8 @@ def test_each_device_holds_only_its_experts(results, f):
 
 def _check_generation(r: dict) -> None:
     """>= 32 greedy tokens (EOS ignored); MTP with 3 drafts (some accepted, so verify rows and rollback
-    run sharded), chain and tree (8 nodes), gives the same tokens; the chain over a SnapKV-evicted cache
-    gives one device's SnapKV tokens."""
+    run sharded), chain and tree (8 nodes), gives the same tokens; the chain and the tree over a
+    SnapKV-evicted cache give one device's SnapKV tokens."""
     assert len(r["greedy_one"]) >= 32
     assert r["greedy_parallel"] == r["greedy_one"]
     assert r["mtp_parallel"] == r["greedy_one"]
@@ -153,6 +153,7 @@ def _check_generation(r: dict) -> None:
     assert r["mtp_logits_bitwise"]
     assert r["tree_parallel"] == r["greedy_one"] and r["tree_accepted"] > 0
     assert r["snapkv_parallel"] == r["snapkv_one"] and len(r["snapkv_one"]) >= 16 and r["snapkv_evicted"] > 0
+    assert r["snapkv_tree_parallel"] == r["snapkv_one"]
 
 
 def test_compiled_collectives_are_one_psum_of_4kd_bytes_per_token_per_moe_layer(results):

@@ -230,8 +230,10 @@ def test_engine_generate_tree_api():
             e.generate(prompt, max_new_tokens=4, speculative="mtp_tree", **kw)
     with pytest.raises(InputError, match="mtp_tree"):
         e.generate(prompt, max_new_tokens=4, speculative="mtp", tree_nodes=8)
-    with pytest.raises(InputError, match="SnapKV"):  # not combined yet: a clear error, not a wrong cache
-        e.generate(prompt, max_new_tokens=4, speculative="mtp_tree", kv_policy="snapkv", kv_budget=64)
+    out = e.generate(prompt, max_new_tokens=4, speculative="mtp_tree", kv_policy="snapkv", kv_budget=8,
+                     kv_window=4)  # combined (tokens checked in tests/runtime/test_snapkv.py)
+    assert out.tokens == e.generate(prompt, max_new_tokens=4, kv_policy="snapkv", kv_budget=8, kv_window=4).tokens
+    assert out.stats["kv_evicted"] > 0
 
 
 def reference_tree(e, prompt, t, k, nodes):
