@@ -63,6 +63,7 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
         "budget_bytes": plan.budget,
         "resident_bytes": plan.slot_bytes,
         "staging_bytes": plan.staging_bytes,
+        "lookahead_buffer_bytes": plan.buffer_bytes,
         "resident_fraction": plan.resident_fraction,
         "counts_source": plan.counts_source,
         "cold": sorted({s.cold for s in plan.layers.values()}),
@@ -99,8 +100,8 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
 
 def resident_bytes(arrays: Mapping[tuple, Any], what: str = "slots") -> int:
     """nbytes actually on the device (the memory check): "slots" (the slot stacks), "staging"
-    (the streaming buffers) or "all"."""
-    names = {"slots": MATRICES, "staging": ("staged",), "all": MATRICES + ("staged",)}[what]
+    (the streaming buffers), "buffer" (the lookahead buffers: stacks and labels) or "all"."""
+    names = {"slots": MATRICES, "staging": ("staged",), "buffer": ("ahead",), "all": MATRICES + ("staged", "ahead")}[what]
     total = 0
     for path, arr in arrays.items():
         if len(path) >= 5 and path[2:4] == ("ffn", "experts") and path[4] in names:
