@@ -23,6 +23,8 @@ OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold",
 # expert_lookahead: what residency fetches ahead of need (see `lookahead`): nothing, layer L+1's predicted
 # experts while layer L runs, a verify pass's union streamed and kept for the pass, or both.
 LOOKAHEAD_MODES = ("none", "next_layer", "pass", "both")
+# expert_lookahead_buffer (experts, with "next_layer" / "both"): the predicted experts go to one buffer
+# shared by the layers, charged to the budget once (`plan`); 0 or None: into each layer's ring.
 
 
 def _is_int(v: Any) -> bool:

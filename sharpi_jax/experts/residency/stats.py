@@ -46,7 +46,8 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
     the call (fetched-ahead experts count as hits); bytes_demand = bytes_streamed + host_bytes_read
     (the cold experts' bytes the calls waited for, streamed or computed on the host);
     experts_prefetched / bytes_prefetched (fetched ahead, off the call), prefetch_useful / _useless
-    (fetched experts the next call used / did not); bytes_moved = bytes_demand + bytes_prefetched."""
+    (fetched experts the next call used / did not); bytes_moved = bytes_demand + bytes_prefetched;
+    lookahead_buffer_bytes: the shared lookahead buffers' share of the budget (`plan.buffer_bytes`)."""
     layers = sorted(after["device"])
     d = {i: {n: after["device"][i][n] - before["device"][i][n] for n in CTR} for i in layers}
     h = {n: {i: after["host"][n][i] - before["host"][n][i] for i in layers} for n in after["host"]}
