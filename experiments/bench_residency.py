@@ -83,6 +83,8 @@ flags.DEFINE_bool("lookahead", False, "The lookahead grid (experiments.residency
                   "research) x budgets (default 0.25) x policies (default all) x --lookahead_modes, "
                   "MTP off and on; prints the 25%-budget verdict and next-layer recall per layer.")
 flags.DEFINE_list("lookahead_modes", ["none", "next_layer", "pass", "both"], "expert_lookahead modes (--lookahead).")
+flags.DEFINE_list("lookahead_buffers", ["0", "24"], "--lookahead: expert_lookahead_buffer sizes in experts (0: "
+                  "none; > 0 only with next_layer / both; 24 = 3 x top-8, about a 4-row pass's predicted union).")
 flags.DEFINE_integer("new_tokens", 24, "--lookahead: tokens generated per run.", lower_bound=2)
 flags.DEFINE_integer("draft_tokens", 3, "--lookahead: MTP drafts per pass (k).", lower_bound=1)
 flags.DEFINE_float("verdict_budget", 0.25, "--lookahead: the budget of the verdict line.")
@@ -328,7 +330,7 @@ def _lookahead(emit, out: Path) -> int:
     records = la.run_grid(path, [float(b) for b in budgets], list(policies), list(FLAGS.lookahead_modes),
                           prompt_tokens=FLAGS.prompt_tokens, new_tokens=FLAGS.new_tokens,
                           draft_tokens=FLAGS.draft_tokens, repeats=FLAGS.repeats, max_context=FLAGS.max_context,
-                          emit=lambda r: _emit_quiet(out, r),
+                          emit=lambda r: _emit_quiet(out, r), buffers=[int(b) for b in FLAGS.lookahead_buffers],
                           counts_out=out.with_name(f"{out.stem}.{path.stem}.expert-counts.json"))
     la.summary(records)
     print(f"wrote {len(records) + 1} records to {out}")

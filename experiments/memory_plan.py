@@ -135,7 +135,7 @@ def plan(f: GGUFFile, c: ModelConfig, *, device_memory: int | None = None, devic
                                  f"({parts['dense']} bytes), the decode state ({out['state_bytes']} bytes) and "
                                  f"the least expert budget ({least} bytes)")
             p = plan_residency(f, c, room, policy)
-            out.update(expert_budget=room, budget_device_bytes=parts["dense"] + p.slot_bytes + p.staging_bytes,
+            out.update(expert_budget=room, budget_device_bytes=parts["dense"] + p.device_bytes,
                        host_stream_bytes=parts["experts"] - p.slot_bytes)
         else:
             if room < parts["experts"]:

@@ -1,7 +1,9 @@
 r"""The lookahead grid of `experiments.bench_residency --lookahead` (issue 24): expert residency with and
 without fetching ahead, on a model whose routing is trained (default: the research model).
 
-For each budget (`residency.budget_for_fraction`), policy and `expert_lookahead` mode one engine is
+For each budget (`residency.budget_for_fraction`), policy, `expert_lookahead` mode and
+`expert_lookahead_buffer` size (0: fetched-ahead experts go to each layer's ring; > 0: to one buffer
+shared by the layers, its bytes taken out of their slots; only with a predicting mode) one engine is
 loaded; every engine is warmed up (compilation excluded), then `repeats` interleaved rounds each run
 every engine once: a greedy generation of `new_tokens` from a held-out source prompt with MTP off,
 then with MTP chain drafts (k = `draft_tokens`). Figures are for the decode phase (the prefill's
@@ -14,8 +16,8 @@ residency cost is cut off by a counter snapshot after the prefill) per generated
 - host_computations_per_token; prefetch_useful / prefetch_useless; decode_tok_s (median, min / max).
 
 The verdict compares, at `verdict_budget` with MTP on, the best configuration that fetches ahead (mode
-!= "none") with the best one that does not, on demand MiB per generated token (and prints the ratio of
-all bytes moved beside it). `recall_at_k` per layer: next-layer prediction's recall at top-k on the
+!= "none", any buffer) with the best one that does not, on demand MiB per generated token (and prints
+the ratio of all bytes moved beside it). Every configuration of a budget holds the same expert bytes. `recall_at_k` per layer: next-layer prediction's recall at top-k on the
 prompt (`routing_stats.prediction`, the research figure).
 """
 
@@ -82,8 +84,23 @@ def recall_per_layer(model, ids: list[int]) -> dict[int, float]:
     return {i: prediction(tr.early[i], sel[i], tr.top_k)["recall"] for i in range(1, sel.shape[0])}
 
 
+PREDICTING = ("next_layer", "both")  # the modes a lookahead buffer serves
+
+
+def configurations(policies, modes, buffers) -> list[tuple[str, str, int]]:
+    """(policy, mode, buffer) cells of the grid: a buffer > 0 only with a predicting mode."""
+    return [(p, m, b) for p in policies for m in modes for b in buffers if b == 0 or m in PREDICTING]
+
+
+def label(r: dict) -> str:
+    """policy/mode, with +buffer<P> when the cell has a lookahead buffer."""
+    b = r.get("expert_lookahead_buffer", 0)
+    return f"{r['expert_policy']}/{r['expert_lookahead']}" + (f"+buffer{b}" if b else "")
+
+
 def run_grid(path: Path, budgets, policies, modes, *, prompt_tokens: int, new_tokens: int, draft_tokens: int,
-             repeats: int, max_context: int, emit: Callable[[dict], None], counts_out: Path) -> list[dict]:
+             repeats: int, max_context: int, emit: Callable[[dict], None], counts_out: Path,
+             buffers=(0,)) -> list[dict]:
     import sharpi_jax as sj
     from experiments.presets import HELD_OUT_SOURCES, REPO_ROOT, release_compiled_code
     from sharpi_jax.experts import residency
@@ -112,12 +129,12 @@ def run_grid(path: Path, budgets, policies, modes, *, prompt_tokens: int, new_to
     for frac in budgets:
         budget = residency.budget_for_fraction(f, c, frac)
         cells = []
-        for policy in policies:
-            for mode in modes:
-                e = sj.load(path, max_context=max_context, expert_budget=budget, expert_policy=policy,
-                            expert_counts=counts, expert_lookahead=mode)
-                cells.append((dict(expert_budget_frac=frac, expert_budget=budget, expert_policy=policy,
-                                   expert_lookahead=mode), e))
+        for policy, mode, buf in configurations(policies, modes, buffers):
+            e = sj.load(path, max_context=max_context, expert_budget=budget, expert_policy=policy,
+                        expert_counts=counts, expert_lookahead=mode, expert_lookahead_buffer=buf or None)
+            cells.append((dict(expert_budget_frac=frac, expert_budget=budget, expert_policy=policy,
+                               expert_lookahead=mode, expert_lookahead_buffer=buf,
+                               expert_device_bytes=e.residency.plan.device_bytes), e))
 
         def one(cell):
             return {m: _figures(*_decode_cost(cell[1], prompt, kw)) for m, kw in runs.items()}
@@ -157,7 +174,7 @@ def verdict(records: list[dict], budget: float, limit: float = 0.6, mtp: bool = 
     ok = ("PASS" if ratio <= limit else "FAIL") if mtp else "(MTP off, no bar)"
     what = f"k={best['draft_tokens']}" if mtp else "off"
     return (f"verdict {ok}: budget {budget:.0%}, MTP {what}: best with lookahead "
-            f"{best['expert_policy']}/{best['expert_lookahead']} {best['demand_mib_per_token']:.3f} demand MiB per "
+            f"{label(best)} {best['demand_mib_per_token']:.3f} demand MiB per "
             f"generated token vs best without {base['expert_policy']} {base['demand_mib_per_token']:.3f}: "
             f"{ratio:.2f}x{f' (bar <= {limit}x)' if mtp else ''}; all bytes moved (prefetch included) {moved:.2f}x")
 
@@ -172,6 +189,7 @@ def plot(records: list[dict], out: Path) -> Path:
     policies = sorted({r["expert_policy"] for r in grid})
     modes = ["none", "next_layer", "pass", "both"]
     styles = dict(zip(modes, ["-", "--", ":", "-."]))
+    buffers = sorted({r.get("expert_lookahead_buffer", 0) for r in grid})
     colors = dict(zip(policies, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
     for row, mtp in enumerate((False, True)):
@@ -179,15 +197,19 @@ def plot(records: list[dict], out: Path) -> Path:
             ax = axes[row][col]
             for p in policies:
                 for m in modes:
-                    pts = sorted((r["expert_budget_frac"], r[key]) for r in grid
-                                 if r["mtp"] == mtp and r["expert_policy"] == p and r["expert_lookahead"] == m)
-                    if pts:
-                        ax.plot(*zip(*pts), styles[m], color=colors[p], marker="o", ms=3, label=f"{p} / {m}")
+                    for b, marker in zip(buffers, "osD^v"):
+                        pts = sorted((r["expert_budget_frac"], r[key]) for r in grid
+                                     if r["mtp"] == mtp and r["expert_policy"] == p and r["expert_lookahead"] == m
+                                     and r.get("expert_lookahead_buffer", 0) == b)
+                        if pts:
+                            ax.plot(*zip(*pts), styles[m], color=colors[p], marker=marker, ms=3,
+                                    label=f"{p} / {m}" + (f" +buffer{b}" if b else ""))
             ax.set_title(f"{key} (MTP {'k=3' if mtp else 'off'})")
             ax.set_xlabel("expert budget (share of routed expert bytes)")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"expert lookahead on {grid[0]['model'] if grid else '?'}: policy (colour) x mode (line)")
+    fig.suptitle(f"expert lookahead on {grid[0]['model'] if grid else '?'}: policy (colour) x mode (line) x "
+                 "lookahead buffer (marker)")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -201,7 +223,7 @@ def summary(records: list[dict]) -> None:
         if r.get("bench") != "residency_lookahead":
             continue
         print(json.dumps({k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in (
-            "expert_budget_frac", "mtp", "expert_policy", "expert_lookahead", "hit_rate", "demand_mib_per_token",
-            "prefetch_mib_per_token", "host_computations_per_token", "prefetch_useful", "prefetch_useless",
+            "expert_budget_frac", "mtp", "expert_policy", "expert_lookahead", "expert_lookahead_buffer", "hit_rate",
+            "demand_mib_per_token", "prefetch_mib_per_token", "moved_mib_per_token", "host_computations_per_token", "prefetch_useful", "prefetch_useless",
             "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max")}), flush=True)
 

@@ -189,6 +189,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/experts/test_lookahead.py",),
     ),
     Mutation(
+        "lookahead_buffer_any_layer",
+        "expert_lookahead_buffer: the shared buffer's entries serve only the layer they were fetched for",
+        "sharpi_jax/experts/residency/lookahead.py",
+        (("    mine = (labels[\"layer\"] == layer) & (labels[\"expert\"] >= 0)",
+          "    mine = labels[\"expert\"] >= 0  # MUTATION: entries not invalidated when the layer changes"),),
+        ("tests/experts/test_lookahead.py", "-k", "test_buffer_serves_the_layer_it_was_filled_for_only"),
+        ("tests/experts/test_lookahead.py",),
+    ),
+    Mutation(
         "lookahead_pass_never_streams",
         "expert_lookahead 'pass': a verify pass streams its cold union (not host-computed below the row threshold)",
         "sharpi_jax/experts/residency/plan.py",

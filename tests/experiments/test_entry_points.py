@@ -333,7 +333,8 @@ def test_bench_ggml(runs, request):
 
 @pytest.mark.slow  # ~150 s of engines; the lookahead itself is tested in tests/experts/test_lookahead.py
 def test_bench_residency_lookahead(runs, request):
-    """The lookahead grid on the default model: one budget, lru with and without next_layer, MTP off / on."""
+    """The lookahead grid on the default model: one budget, lru with and without next_layer (and with a
+    lookahead buffer), MTP off / on."""
     tmp, res = result(runs, request)
     out = ok(res).stdout
     assert "next-layer recall@4 per layer: L1 " in out and ("verdict PASS" in out or "verdict FAIL" in out)
@@ -343,6 +344,10 @@ def test_bench_residency_lookahead(runs, request):
     grid = [r for r in recs if r.get("bench") == "residency_lookahead"]
     assert {(r["expert_lookahead"], r["mtp"]) for r in grid} == {(m, t) for m in ("none", "next_layer")
                                                                   for t in (False, True)}
+    # --lookahead_buffers defaults to 0,24: next_layer also with a shared buffer; every cell holds the same bytes
+    assert {(r["expert_lookahead"], r["expert_lookahead_buffer"]) for r in grid} == {
+        ("none", 0), ("next_layer", 0), ("next_layer", 24)}
+    assert len({r["expert_device_bytes"] for r in grid}) == 1
     for r in grid:
         assert 0 <= r["hit_rate"] <= 1 and r["repeats"] == 2
         _check_spread(r, "decode_tok_s", rounds=2)

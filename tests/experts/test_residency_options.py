@@ -27,6 +27,8 @@ def _load(**kw):
     ("expert_prefetch", "pass"), ("expert_prefetch", -1), ("expert_prefetch", 1.0),
     ("expert_lookahead", "next-layer"), ("expert_lookahead", 1), ("expert_lookahead", True),
     ("expert_lookahead", ["pass"]), ("expert_lookahead", np.array(["both"])), ("expert_lookahead", ""),
+    ("expert_lookahead_buffer", "24"), ("expert_lookahead_buffer", -1), ("expert_lookahead_buffer", 2.5),
+    ("expert_lookahead_buffer", True), ("expert_lookahead_buffer", 4),  # 4: valid, but no predicting mode
     ("expert_stream_min_rows", "8"), ("expert_stream_min_rows", -3),
     ("expert_ring", "half"), ("expert_ring", math.nan), ("expert_ring", 1.5), ("expert_ring", True),
     ("expert_cold", "warm"), ("expert_cold", ["host"]), ("expert_cold", np.array(["host", "stream"])),

@@ -9,8 +9,9 @@ the tokens are the all-resident tokens bit for bit, whatever the budget and poli
 - `counts`: calibrated routing counts for "frequency" (`calibrate`, saved beside the model);
 - `stats`: counters and what a run cost (hit rate, bytes streamed, host work);
 - `options`: the load options' types and ranges, checked before anything is planned;
-- `lookahead`: fetching ahead of need (`expert_lookahead`): layer L+1's predicted experts, a verify
-  pass's union kept for the pass;
+- `lookahead`: fetching ahead of need (`expert_lookahead`): layer L+1's predicted experts (into its
+  ring, or a buffer shared by the layers: `expert_lookahead_buffer`), a verify pass's union kept for
+  the pass;
 - this module: `configure` (the load options) and `Residency` (a plan bound to an open GGUF).
 
 Cold experts are served by `sharpi_jax.experts.streaming` (one host callback per layer and batch).
@@ -32,7 +33,8 @@ from sharpi_jax.experts.residency.options import OPTION_NAMES, check_options, ch
 from sharpi_jax.experts.residency.plan import (LayerSpec, ResidencyPlan, budget_for_fraction, layer_geometry,
                                                minimum_budget, non_expert_bytes, parse_expert_budget, plan_residency)
 from sharpi_jax.experts.residency.policies import POLICIES, SlotPolicy, slot_policy
-from sharpi_jax.experts.residency.slots import CTR, ExpertCache, ResidentExperts, matrix_shape, staging_buffer
+from sharpi_jax.experts.residency.slots import (CTR, ExpertCache, ResidentExperts, lookahead_buffer, matrix_shape,
+                                                staging_buffer)
 from sharpi_jax.experts.streaming import MATRICES, Streamer
 from sharpi_jax.gguf.reader import GGUFFile
 
@@ -51,7 +53,8 @@ class Residency:
     # ----- model construction -----
     def experts_module(self, layer: int, run: RunConfig, shared: dict) -> ResidentExperts | None:
         """The layer's ResidentExperts, or None when the layer is not managed (e.g. the MTP block).
-        Layers of one block-type mix share one staging buffer, kept in `shared` (one per model build)."""
+        Layers of one block-type mix share one staging buffer and one lookahead buffer, kept in `shared`
+        (one per model build)."""
         spec = self.plan.layers.get(layer)
         if spec is None:
             return None
@@ -59,7 +62,8 @@ class Residency:
             run_format(run), spec.qtypes, spec.d_model, spec.d_ff)
         if spec.qtypes not in shared:
             shared[spec.qtypes] = staging_buffer(spec, fmt)
-        return ResidentExperts(spec, self.streamer, shared[spec.qtypes], run)
+            shared["ahead", spec.qtypes] = lookahead_buffer(spec, fmt) if spec.buffer else None
+        return ResidentExperts(spec, self.streamer, shared[spec.qtypes], run, shared["ahead", spec.qtypes])
 
     def source(self, layer: int, path: tuple) -> Callable[[], Any]:
         """The loader of one param of the layer's ResidentExperts (slot stacks, LUT, ring state)."""
@@ -72,6 +76,10 @@ class Residency:
         fmt = self._formats[layer]
         if name == "staged":  # staging buffer: zeros until a batch streams into it
             return fmt.zeros(spec.staging if spec.cold != "host" else 0, rest[0])
+        if name == "ahead":  # lookahead buffer: empty (no expert, no layer) until a prefetch fills it
+            if rest[0] in MATRICES:
+                return fmt.zeros(spec.buffer, rest[0])
+            return np.full((spec.buffer,) if rest[0] == "expert" else (), -1 if rest[0] != "fresh" else 0, np.int32)
         if name in MATRICES:
             view = self.streamer.sources[layer].views[MATRICES.index(name)]
             return fmt.pack(np.ascontiguousarray(view[ids]), name)
@@ -97,7 +105,7 @@ class Residency:
 
     def resident_bytes(self, runtime, what: str = "slots") -> int:
         """nbytes actually on the device (the memory check): "slots" (the slot stacks), "staging"
-        (the streaming buffers) or "all"."""
+        (the streaming buffers), "buffer" (the lookahead buffers) or "all"."""
         return _stats.resident_bytes(runtime.expert_cache_arrays(), what)
 
 
@@ -111,7 +119,8 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     streamable per layer and batch, >= top-k), expert_ring (ring fraction of each layer's slots),
     expert_cold ("auto" | "stream" | "host"), expert_stream_min_rows, expert_prefetch (experts
     madvise'd ahead per layer), expert_lookahead ("none" | "next_layer" | "pass" | "both": experts
-    fetched into slots before a call needs them, `lookahead`).
+    fetched into slots before a call needs them, `lookahead`), expert_lookahead_buffer (experts: the
+    predicted experts go to one buffer shared by the layers, its bytes taken out of their slots).
     """
     expert_policy = check_policy(expert_policy)
     options = check_options(options)  # types and ranges, before anything is read or planned
@@ -138,7 +147,8 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
     plan = plan_residency(f, config, expert_budget, expert_policy, counts, counts_source=source,
                           staging=options.get("expert_staging"), ring=options.get("expert_ring"),
                           cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"),
-                          lookahead=options.get("expert_lookahead"))
+                          lookahead=options.get("expert_lookahead"),
+                          lookahead_buffer=options.get("expert_lookahead_buffer"))
     prefetch = options["expert_prefetch"]
     return Residency(f, config, plan, counts, 16 if prefetch is None else prefetch)
 

@@ -19,10 +19,12 @@ from sharpi_jax.experts.residency.policies import POLICIES
 from sharpi_jax.experts.streaming import COLD_MODES
 
 OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",
-                "expert_prefetch", "expert_lookahead", "device_budget")
+                "expert_prefetch", "expert_lookahead", "expert_lookahead_buffer", "device_budget")
 # expert_lookahead: what residency fetches ahead of need (see `lookahead`): nothing, layer L+1's predicted
 # experts while layer L runs, a verify pass's union streamed and kept for the pass, or both.
 LOOKAHEAD_MODES = ("none", "next_layer", "pass", "both")
+# expert_lookahead_buffer (experts, with "next_layer" / "both"): the predicted experts go to one buffer
+# shared by the layers, charged to the budget once (`plan`); 0 or None: into each layer's ring.
 
 
 def _is_int(v: Any) -> bool:
@@ -63,6 +65,9 @@ def check_options(options: Mapping[str, Any]) -> dict[str, Any]:
                                                   "a non-negative integer number of rows")
     out["expert_prefetch"] = _int_at_least("expert_prefetch", out["expert_prefetch"], 0,
                                            "a non-negative integer number of experts madvise'd ahead per layer")
+    out["expert_lookahead_buffer"] = _int_at_least(
+        "expert_lookahead_buffer", out["expert_lookahead_buffer"], 0,
+        "a non-negative integer number of experts (the lookahead's shared prefetch buffer)")
     ring = out["expert_ring"]
     if ring is not None:
         ok = isinstance(ring, (int, float, np.integer, np.floating)) and not isinstance(ring, (bool, np.bool_))

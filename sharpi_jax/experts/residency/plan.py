@@ -3,6 +3,7 @@
 Budget. `expert_budget` (bytes) bounds the persistent routed-expert bytes on the device:
 
     sum over MoE trunk layers of the slot stacks' nbytes  +  the staging buffers' nbytes
+                                                          +  the lookahead buffers' nbytes
 
 The staging buffer holds `staging` experts (default top-k: how many cold experts one layer may stream
 per batch; the rest of a batch's misses are computed on the host). Layers run one at a time, so all
@@ -22,6 +23,13 @@ per-layer floor of min(top_k, equal share) slots, the others round robin; the po
 `expert_lookahead` other than "none", a policy without a ring (static, frequency) gets
 `LOOKAHEAD_RING_SHARE` of each layer's slots as its ring (what is fetched ahead lands there; see
 `lookahead`); the budget is the same.
+
+Lookahead buffer (`expert_lookahead_buffer` = P experts, with "next_layer" / "both"): predicted experts
+land in ONE buffer of P experts per block-type mix, shared by its layers like the staging (only the
+next layer's predictions are in flight at a time), instead of in each layer's ring. Its bytes are
+charged to the budget once and taken out of the slots of the layers it serves (every MoE layer but
+the first, which has no layer before it to predict from): the slots are planned as without a buffer,
+then the predicted layers give up slots, the fullest first, until the buffer's bytes are free.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class LayerSpec:
     stream_min_rows: int
     policy: str
     lookahead: str = "none"  # `lookahead.LOOKAHEAD_MODES`
+    buffer: int = 0  # experts in the shared lookahead buffer (0: fetched-ahead experts go to the ring)
 
     @property
     def n_slots(self) -> int:
@@ -103,7 +112,7 @@ class LayerSpec:
     def predicts(self) -> bool:
         """Whether this layer's predicted experts are prefetched from the layer before ("next_layer" /
         "both" lookahead, and a ring to put them in)."""
-        return self.lookahead in PREDICT_MODES and self.n_ring > 0
+        return self.lookahead in PREDICT_MODES and (self.n_ring > 0 or self.buffer > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +126,8 @@ class ResidencyPlan:
     total_expert_bytes: int  # every routed expert of the managed layers
     min_budget: int
     counts_source: str | None
+    buffer: int = 0  # experts in each shared lookahead buffer
+
 
     @property
     def slot_bytes(self) -> int:
@@ -127,6 +138,16 @@ class ResidencyPlan:
     def staging_bytes(self) -> int:
         """Bytes of the staging buffers: one per expert block-type mix, shared by its layers."""
         return self.staging * sum(staging_groups(self.layers.values()).values())
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the lookahead buffers: one per expert block-type mix, shared by its layers."""
+        return self.buffer * sum(staging_groups(self.layers.values()).values())
+
+    @property
+    def device_bytes(self) -> int:
+        """Every routed-expert byte the plan holds on the device (what the budget bounds)."""
+        return self.slot_bytes + self.staging_bytes + self.buffer_bytes
 
     @property
     def resident_fraction(self) -> float:
@@ -152,11 +173,16 @@ def layer_geometry(f: GGUFFile, c: ModelConfig) -> dict[int, tuple[tuple[int, in
 def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str = "frequency",
                    counts: Mapping[int, Sequence[int]] | None = None, *, counts_source: str | None = None,
                    staging: int | None = None, ring: float | None = None, cold: str | None = None,
-                   stream_min_rows: int | None = None, lookahead: str | None = None) -> ResidencyPlan:
+                   stream_min_rows: int | None = None, lookahead: str | None = None,
+                   lookahead_buffer: int | None = None) -> ResidencyPlan:
     """Place experts into per-layer slots within `expert_budget` bytes (see the module doc)."""
     lookahead = lookahead or "none"
     if lookahead not in LOOKAHEAD_MODES:
         raise InputError(f"expert_lookahead must be one of {LOOKAHEAD_MODES}, got {shown(lookahead)}")
+    buffer = int(lookahead_buffer or 0)
+    if buffer and lookahead not in PREDICT_MODES:
+        raise InputError(f"expert_lookahead_buffer holds predicted experts: it needs expert_lookahead in "
+                         f"{PREDICT_MODES}, got {shown(lookahead)}")
     if policy not in POLICIES:
         raise InputError(f"expert_policy must be one of {POLICIES}, got {shown(policy)}")
     if not c.is_moe:
@@ -186,15 +212,18 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
             f"top-k: {k} experts x {group_bpe} bytes, the staging a decode token streams into)")
     full = budget >= total
     if full:
-        staging = 0
+        staging = buffer = 0
         n_slots = {i: E for i in layers}
     else:
         staging = min(staging, E)
+        buffer = min(buffer, E)
         avail = budget - staging * group_bpe
         if avail < 0:
             raise InputError(f"expert_budget = {budget} bytes is below the staging of {staging} experts "
                              f"({staging * group_bpe} bytes); lower expert_staging or raise the budget")
         n_slots = _allocate(layers, bpe, E, k, avail, counts if pol.greedy_by_counts else None)
+        if buffer:
+            n_slots = _carve_buffer(n_slots, layers, bpe, buffer * group_bpe, budget - staging * group_bpe)
     if pol.greedy_by_counts and counts is None and not full:
         warnings.warn("expert_policy='frequency' without calibrated counts: using the static order "
                       "(run Engine.calibrate_experts or sharpi_jax.experts.residency.calibrate)", stacklevel=3)
@@ -209,10 +238,32 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
         n_ring = 0 if full else int(round(ring_frac * n))
         specs[i] = LayerSpec(layer=i, n_expert=E, top_k=k, d_model=c.d_model, d_ff=c.expert_ff, qtypes=geo[i][0],
                              resident=tuple(order[:n]), n_ring=n_ring, bytes_per_expert=bpe[i], staging=staging,
-                             cold=cold, stream_min_rows=smr, policy=policy, lookahead=lookahead)
-    plan = ResidencyPlan(policy, budget, staging, specs, total, min_budget, counts_source)
-    assert plan.slot_bytes + plan.staging_bytes <= budget or full, "planner exceeded the budget"
+                             cold=cold, stream_min_rows=smr, policy=policy, lookahead=lookahead,
+                             buffer=buffer)
+    plan = ResidencyPlan(policy, budget, staging, specs, total, min_budget, counts_source, buffer)
+    assert plan.device_bytes <= budget or full, "planner exceeded the budget"
     return plan
+
+
+def _carve_buffer(n_slots: dict[int, int], layers, bpe, need: int, avail: int) -> dict[int, int]:
+    """Slots per layer once the lookahead buffer's `need` bytes are taken out of `avail` (the bytes
+    the slots had): from the layers the buffer serves (all but the first), the fullest first (ties:
+    the later layer), then from the first layer if they run out; InputError if the slots cannot pay."""
+    n = dict(n_slots)
+    free = avail - sum(n[i] * bpe[i] for i in layers)
+    served, first = layers[1:], layers[:1]
+    for group in (served, first):
+        while free < need:
+            cand = [i for i in group if n[i] > 0]
+            if not cand:
+                break
+            i = max(cand, key=lambda j: (n[j], j))
+            n[i] -= 1
+            free += bpe[i]
+    if free < need:
+        raise InputError(f"expert budget too small for a lookahead buffer of {need} bytes beside the staging; "
+                         f"lower expert_lookahead_buffer or raise the budget")
+    return n
 
 
 def _order(n_expert: int, counts: Sequence[int] | None) -> list[int]:

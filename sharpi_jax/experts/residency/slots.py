@@ -16,6 +16,12 @@ place: inside the first cond XLA copied the whole stack on every miss). Slot sta
 LUT, ring state (slot -> expert, recency stamps, SLRU segment) and per-layer counters are
 `ExpertCache` variables that every step takes donated and returns (`runtime.steps.Runtime`).
 
+Lookahead buffer (`expert_lookahead_buffer` = P > 0): the experts predicted for a layer are fetched
+into a buffer of P experts shared by the layers of a block-type mix (`lookahead_buffer`), labelled
+with the layer they were fetched for; a call routes a pair that misses its slots to the buffer entry
+holding its expert when the label is its own layer, so the indices address [slot stack ; buffer ;
+staging].
+
 Cold mode ("auto" | "stream" | "host"): "auto" streams from `stream_min_rows` bucket rows up
 (streaming.DEFAULT_STREAM_MIN_ROWS, measured) and host-computes below; lru/slru default to "stream"
 (their ring fills only from streamed experts).
@@ -75,6 +81,28 @@ def matrix_shape(spec: LayerSpec, m: str) -> tuple[int, int]:
     return (spec.d_model, spec.d_ff) if m == "down" else (spec.d_ff, spec.d_model)
 
 
+def _concat(parts) -> object:
+    """[(view or None, n experts)] -> one view reading them in order (entries of empty parts: none)."""
+    out, n = None, 0
+    for view, size in parts:
+        if size:
+            out = view if out is None else _Stacked(out, view, n)
+            n += size
+    return out
+
+
+def lookahead_buffer(spec: LayerSpec, fmt: ExpertFormat) -> nnx.Dict:
+    """The lookahead buffer of a block-type mix: [buffer, ...] stacks like the staging's, the expert in
+    each entry (`expert`, -1: none), the layer they were fetched for (`layer`, -1: none) and whether that
+    layer's call has yet to score them (`fresh`). One per mix, shared by its layers: a layer's
+    predictions are fetched after the layer before has run, and used by its own call right after."""
+    P = spec.buffer
+    d = {m: ExpertCache(fmt.zeros(P, m)) for m in MATRICES}
+    d.update(expert=ExpertCache(jnp.full((P,), -1, jnp.int32)), layer=ExpertCache(jnp.full((), -1, jnp.int32)),
+             fresh=ExpertCache(jnp.zeros((), jnp.int32)))
+    return nnx.Dict(d)
+
+
 def staging_buffer(spec: LayerSpec, fmt: ExpertFormat) -> nnx.Dict:
     """The device staging of streamed experts ([staging, ...] stacks like the slots'; empty when the
     layer only host-computes). One per block-type mix, shared by its layers (they run one at a time)."""
@@ -95,9 +123,10 @@ class ResidentExperts(nnx.Module):
     """
 
     def __init__(self, spec: LayerSpec, streamer: Streamer, staged: nnx.Dict | None = None,
-                 run: RunConfig = RunConfig()):
+                 run: RunConfig = RunConfig(), ahead: nnx.Dict | None = None):
         """staged: the staging buffer shared by the layers of this block-type mix (`staging_buffer`);
-        run: the dispatch of the experts computed here (expert_mode, row_kernel), device and host alike."""
+        run: the dispatch of the experts computed here (expert_mode, row_kernel), device and host alike;
+        ahead: the lookahead buffer shared likewise (`lookahead_buffer`; used when spec.buffer > 0)."""
         self.spec = spec
         self.streamer = streamer
         self.mode, self.row_kernel = run.expert_mode, run.row_kernel
@@ -106,6 +135,8 @@ class ResidentExperts(nnx.Module):
         for m in MATRICES:
             setattr(self, m, ExpertCache(self.format.zeros(S, m)))
         self.staged = staged if staged is not None else staging_buffer(spec, self.format)
+        if spec.buffer:
+            self.ahead = ahead if ahead is not None else lookahead_buffer(spec, self.format)
         i32 = jnp.int32
         self.lut = ExpertCache(jnp.full((E,), -1, i32))
         self.slot_expert = ExpertCache(jnp.full((S,), -1, i32))
@@ -128,16 +159,37 @@ class ResidentExperts(nnx.Module):
     def _weights(stack):
         return tuple(stack[m] for m in MATRICES)
 
+    _LABELS = ("expert", "layer", "fresh")
+
+    def _ahead(self) -> tuple[dict, dict]:
+        """The lookahead buffer's (labels, stacks)."""
+        return ({n: self.ahead[n].get_value() for n in self._LABELS},
+                {m: self.ahead[m].get_value() for m in MATRICES})
+
+    def _set_ahead(self, labels: dict, stacks: dict | None = None) -> None:
+        for n in self._LABELS:
+            self.ahead[n].set_value(labels[n])
+        for m in MATRICES if stacks is not None else ():
+            self.ahead[m].set_value(stacks[m])
+
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None) -> jax.Array:
         """`moe.ExpertProvider`: the same rows as `routed_experts` on all experts, bit for bit."""
         s, mode = self.spec, self.mode
         N, k = sel.shape
-        E, S = s.n_expert, s.n_slots
+        E, S, P = s.n_expert, s.n_slots, s.buffer
         v = {name: getattr(self, name).get_value() for name in self._SMALL}
         stack = {m: getattr(self, m).get_value() for m in MATRICES}
         staged = {m: self.staged[m].get_value() for m in MATRICES}
         vmask = jnp.ones((N, k), bool) if valid is None else jnp.broadcast_to(valid[:, None], (N, k))
-        slot = v["lut"][sel]
+        slot = v["lut"][sel]  # the layer's own slots
+        used = jnp.zeros((S + 1,), bool).at[jnp.where(slot >= 0, slot, S).reshape(-1)].set(True)[:S]
+        ahead = None
+        if P:  # pairs missing the slots but fetched ahead for this layer: entries S.. of [slots ; buffer]
+            labels, ahead = self._ahead()
+            bslot = jnp.where(slot >= 0, -1, lookahead.buffer_slots(labels, s.layer, sel, E))
+            slot = jnp.where(bslot >= 0, S + bslot, slot)
+            labels, v["ctr"] = lookahead.score_buffer(labels, v["ctr"], bslot, s.layer, _C)
+            self._set_ahead(labels)
         hit = slot >= 0
         ctr = v["ctr"]
         for name, val in (("batches", 1), ("rows", vmask[:, 0].sum()), ("pairs", vmask.sum()),
@@ -147,7 +199,6 @@ class ResidentExperts(nnx.Module):
         v["ctr"] = ctr.at[_C["unique"]].add((batch_counts > 0).sum().astype(jnp.int32))
         v["counts"] = v["counts"] + batch_counts
         v["clock"] = v["clock"] + 1
-        used = jnp.zeros((S + 1,), bool).at[jnp.where(hit, slot, S).reshape(-1)].set(True)[:S]
         if s.predicts:  # what the prefetch before this call brought: used now, or not
             v["ctr"], v["fresh"] = lookahead.score_prefetch(v["ctr"], v["fresh"], used, _C)
         if s.n_ring:
@@ -155,14 +206,19 @@ class ResidentExperts(nnx.Module):
         no_write = jnp.full((self._n_write(N),), S, jnp.int32)
 
         def fast(v, stack, staged, u, sel, w, slot, used, vmask):
+            if P:  # slots and buffer: the slow path's reads and reduction, with nothing cold
+                view = _concat([(dispatch.StackView(self._weights(stack)), S),
+                                (dispatch.StackView(self._weights(ahead)), P)])
+                y = dispatch.expert_rows(u, slot, view, mode, self.row_kernel)[0]
+                return dispatch.weighted_reduce(y, w.astype(jnp.float32)), v, staged, no_write
             out = dispatch.routed_experts(u, slot, w, self._weights(stack), mode=mode, row_kernel=self.row_kernel)
             return out, v, staged, no_write
 
         def slow(v, stack, staged, u, sel, w, slot, used, vmask):
-            return self._slow(v, stack, staged, u, sel, w, slot, used, vmask, mode)
+            return self._slow(v, stack, staged, u, sel, w, slot, used, vmask, mode, ahead)
 
         args = (v, stack, staged, u, sel, w, slot, used, vmask)
-        if S == 0:
+        if S + P == 0:
             out, v, staged, tgt = slow(*args)
         else:
             out, v, staged, tgt = jax.lax.cond(jnp.all(hit), fast, slow, *args)
@@ -185,11 +241,13 @@ class ResidentExperts(nnx.Module):
         """Ring slots one batch may overwrite (static)."""
         return min(self.spec.n_stage(n_rows), self.spec.n_ring)
 
-    def _slow(self, v, stack, staged, u, sel, w, slot, used, vmask, mode):
-        """Some pair misses: one callback streams / host-computes the cold experts; ring decisions."""
+    def _slow(self, v, stack, staged, u, sel, w, slot, used, vmask, mode, ahead=None):
+        """Some pair misses: one callback streams / host-computes the cold experts; ring decisions.
+        slot: each pair's index into [slot stack ; lookahead buffer] or -1; used: the slots (not buffer
+        entries) the call uses."""
         s = self.spec
         N, k = sel.shape
-        E, S, D, F = s.n_expert, s.n_slots, s.d_model, s.d_ff
+        E, S, D, F, P = s.n_expert, s.n_slots, s.d_model, s.d_ff, s.buffer
         hit = slot >= 0
         m_max = min(N * k, E)
         n_stage = s.n_stage(N)  # static: the staging this bucket may fill
@@ -228,12 +286,13 @@ class ResidentExperts(nnx.Module):
         if n_stage:
             pos = pos.at[jnp.where(stream_ids >= 0, stream_ids, E)].set(jnp.arange(n_stage, dtype=jnp.int32))
         sp = pos[:E][sel]
-        idx = jnp.where(hit, slot, jnp.where(sp >= 0, S + sp, -1))
+        idx = jnp.where(hit, slot, jnp.where(sp >= 0, S + P + sp, -1))
         on_dev = idx >= 0
         v["ctr"] = v["ctr"].at[_C["host_pairs"]].add((vmask & ~on_dev).sum().astype(jnp.int32))
-        if S or n_stage:
-            view = _Stacked(dispatch.StackView(self._weights(stack)) if S else None,
-                            dispatch.StackView(self._weights(staged)) if n_stage else None, S)
+        if S or P or n_stage:
+            view = _concat([(dispatch.StackView(self._weights(stack)), S),
+                            (dispatch.StackView(self._weights(ahead)) if P else None, P),
+                            (dispatch.StackView(self._weights(staged)), n_stage)])
             idx_d = jnp.where(on_dev, idx, jnp.maximum(jnp.max(idx), 0))  # host pairs ride along a used expert
             y_dev = jax.lax.cond(jnp.any(on_dev), lambda: dispatch.expert_rows(u, idx_d, view, mode, self.row_kernel)[0],
                                  lambda: jnp.zeros((N, k, D), jnp.float32))
@@ -244,13 +303,14 @@ class ResidentExperts(nnx.Module):
 
     def prefetch(self, pred: jax.Array, valid: jax.Array | None) -> None:
         """Fetch the experts predicted for this layer's next call (pred int32 [N, k]: this layer's router
-        applied early to the rows the block before outputs) into ring slots, in one batch: the
-        non-resident ones, most predicted rows first, at most min(staging, ring) (see `lookahead`).
+        applied early to the rows the block before outputs) in one batch: the non-resident ones, most
+        predicted rows first, into ring slots (at most min(staging, ring)) or, with a lookahead buffer,
+        into the buffer (at most its size), labelled with this layer (see `lookahead`).
         Changes where experts sit, never what a call computes."""
         s = self.spec
         N, k = pred.shape
         S = s.n_slots
-        n_pre = min(s.staging, s.n_ring, N * k, s.n_expert)
+        n_pre = min(s.buffer if s.buffer else min(s.staging, s.n_ring), N * k, s.n_expert)
         if not s.predicts or n_pre == 0:
             return
         v = {name: getattr(self, name).get_value() for name in self._SMALL}
@@ -259,6 +319,9 @@ class ResidentExperts(nnx.Module):
         ids, keep = lookahead.plan_prefetch(v, pred, vmask, s, n_pre)
         upcoming = v["clock"] + 1  # the clock of this layer's next call: the pass these are for
         v["stamp"] = jnp.where(keep & (jnp.arange(S) >= s.n_pin), upcoming, v["stamp"])
+        if s.buffer:
+            self._prefetch_buffer(v, ids, n_pre)
+            return
 
         def fetch(v, stack):
             src = self.streamer.sources[s.layer]
@@ -280,6 +343,28 @@ class ResidentExperts(nnx.Module):
             getattr(self, name).set_value(v[name])
         for m in MATRICES:
             getattr(self, m).set_value(stack[m])
+
+    def _prefetch_buffer(self, v: dict, ids: jax.Array, n_pre: int) -> None:
+        """The fetch into the shared lookahead buffer: entries 0..n_pre-1 get experts `ids` (-1: none),
+        every entry is relabelled (the previous layer's entries are gone), the layer label is this one."""
+        s = self.spec
+        labels, ahead = self._ahead()
+
+        def fetch(ahead):
+            src = self.streamer.sources[s.layer]
+            shapes = tuple(jax.ShapeDtypeStruct((n_pre,) + vw.shape[1:], jnp.uint8) for vw in src.views)
+            res = io_callback(functools.partial(self.streamer.fetch, s.layer, n_pre), shapes, ids, ordered=False)
+            new = {m: self.format.pack(res[j], m) for j, m in enumerate(MATRICES)}
+            put = lambda a, b: a.at[:n_pre].set(b)  # noqa: E731
+            return {m: dataclasses.replace(ahead[m], data=jax.tree.map(put, ahead[m].data, new[m].data))
+                    for m in MATRICES}
+
+        ahead = jax.lax.cond(ids[0] >= 0, fetch, lambda a: a, ahead)
+        labels = lookahead.buffer_labels(ids, s.buffer, s.layer)
+        v["ctr"] = v["ctr"].at[_C["ahead_streamed"]].add((ids >= 0).sum().astype(jnp.int32))
+        for name in self._SMALL:
+            getattr(self, name).set_value(v[name])
+        self._set_ahead(labels, ahead)
 
     def _insert(self, v, ctr, stream_ids, used):
         """Ring victims for the streamed experts (chosen by the layer's policy) and the bookkeeping;

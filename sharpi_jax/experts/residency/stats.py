@@ -46,7 +46,8 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
     the call (fetched-ahead experts count as hits); bytes_demand = bytes_streamed + host_bytes_read
     (the cold experts' bytes the calls waited for, streamed or computed on the host);
     experts_prefetched / bytes_prefetched (fetched ahead, off the call), prefetch_useful / _useless
-    (fetched experts the next call used / did not); bytes_moved = bytes_demand + bytes_prefetched."""
+    (fetched experts the next call used / did not); bytes_moved = bytes_demand + bytes_prefetched;
+    lookahead_buffer_bytes: the shared lookahead buffers' share of the budget (`plan.buffer_bytes`)."""
     layers = sorted(after["device"])
     d = {i: {n: after["device"][i][n] - before["device"][i][n] for n in CTR} for i in layers}
     h = {n: {i: after["host"][n][i] - before["host"][n][i] for i in layers} for n in after["host"]}
@@ -63,6 +64,7 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
         "budget_bytes": plan.budget,
         "resident_bytes": plan.slot_bytes,
         "staging_bytes": plan.staging_bytes,
+        "lookahead_buffer_bytes": plan.buffer_bytes,
         "resident_fraction": plan.resident_fraction,
         "counts_source": plan.counts_source,
         "cold": sorted({s.cold for s in plan.layers.values()}),
@@ -99,8 +101,8 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
 
 def resident_bytes(arrays: Mapping[tuple, Any], what: str = "slots") -> int:
     """nbytes actually on the device (the memory check): "slots" (the slot stacks), "staging"
-    (the streaming buffers) or "all"."""
-    names = {"slots": MATRICES, "staging": ("staged",), "all": MATRICES + ("staged",)}[what]
+    (the streaming buffers), "buffer" (the lookahead buffers: stacks and labels) or "all"."""
+    names = {"slots": MATRICES, "staging": ("staged",), "buffer": ("ahead",), "all": MATRICES + ("staged", "ahead")}[what]
     total = 0
     for path, arr in arrays.items():
         if len(path) >= 5 and path[2:4] == ("ffn", "experts") and path[4] in names:
