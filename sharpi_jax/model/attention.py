@@ -150,7 +150,8 @@ class GatedAttention(nnx.Module):
         """x [T, D] normed input, positions [T] int32 (logical), valid [T] bool -> (out [T, D], cache_k,
         cache_v), plus the post-rope queries q [T, Hq, hd] with with_q (SnapKV's observation window).
         tree: draft-tree rows (K/V written to tree.slots, each row sees the context and its ancestors,
-        `sharpi_jax.model.tree`); positions[0] - tree.depth[0] is the tree's base position.
+        `sharpi_jax.model.tree`); positions[0] - tree.depth[0] is the tree's base position. Its slots and
+        ancestors are slots of an uncompacted cache; a compacted one takes them at slot - shift.
         slot_pos [Hkv, S], shift: an evicted (SnapKV-compacted) cache, `sharpi_jax.model.cache.AttnCache`."""
         T = x.shape[0]
         Hq, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim

@@ -28,7 +28,8 @@ import numpy as np
 class TreeRows(NamedTuple):
     """depth [T] (root 0), parent [T] (row index, -1 = the committed state), slots [T] (physical KV
     slot of each row), anc [T, W] (physical slot of the ancestor at depth d of row t for d <= depth[t],
-    the row itself at d = depth[t]; entries past the depth are ignored)."""
+    the row itself at d = depth[t]; entries past the depth are ignored). Slots of an uncompacted cache:
+    a SnapKV-compacted layer maps them to slot - shift (`GatedAttention`)."""
 
     depth: jax.Array
     parent: jax.Array
