@@ -32,6 +32,10 @@ class AttnCache(NamedTuple):
     slot_pos: jax.Array | None = None
     shift: jax.Array | None = None
 
+    def end_position(self):
+        """The position just past the last slot: the slot count, + shift on a compacted cache."""
+        return self.k.shape[1] + (0 if self.shift is None else self.shift)
+
 
 class GDNCache(NamedTuple):
     """Recurrent state of one Gated DeltaNet layer: conv [Kc-1, C], ssm [Hv, dv, dk]."""

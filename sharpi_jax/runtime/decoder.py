@@ -104,10 +104,12 @@ class Decoder:
     def room(self) -> int:
         """The most draft rows the next pass may verify: its rows must fit max_context and, on a
         compacted cache, its kv_capacity slots (the evicted cache is sized for the tokens still to come)."""
-        room = self.rt.max_context - 1 - self.P
-        if self.evicted is not None:
-            room = min(room, self.evicted.capacity - 1 - self.evicted.slot(self.P))
-        return room
+        return self.last_position() - self.P
+
+    def last_position(self) -> int:
+        """The last position a pass may write: max_context's, or the compacted caches' if earlier."""
+        last = self.rt.max_context - 1
+        return last if self.evicted is None else min(last, self.evicted.last_position)
 
     def next_pass(self) -> tuple[int, int]:
         """(depth, nodes) of the pass to run: `nodes` draft nodes within `room()`, depth <= draft_tokens."""

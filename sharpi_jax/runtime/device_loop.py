@@ -199,9 +199,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
     if max_new_tokens <= 0:
         tokens, stop, counts = [], "max_new_tokens", None
     else:
-        # slot_room - P = the drafts a compacted cache's slots still hold (capacity - 1 - slot(P)).
-        ev = dec.evicted
-        slot_room = runtime.max_context if ev is None else ev.capacity - 1 + ev.shift
+        slot_room = dec.last_position()  # slot_room - P: the drafts the caches' slots still hold
         fn = _chain_fn(runtime.steps.commit_verify, mtp.draft_fn)
         out, n, code, end, counts, runtime.cache = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
@@ -233,8 +231,7 @@ def _tree_fn(tree_commit_verify, root, level):
             sampling, out, K, N, c, greedy):
         pick = _picker(greedy, sampling)
         T, D = N + 1, h_last.shape[0]
-        # Where the MTP cache's slots end, as a position (a compacted cache: its slots + shift), as the host.
-        S = mtp_cache.k.shape[1] + (0 if mtp_cache.shift is None else mtp_cache.shift)
+        S = mtp_cache.end_position()  # where the MTP cache's slots end, as a position (as the host drafter)
         tok = pick(logits, jnp.int32(0))
         stop = _stop_code(tok, eos, 1, max_new)
         stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
@@ -311,8 +308,7 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         tokens, stop = [], "max_new_tokens"
     else:
         fn = _tree_fn(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level)
-        ev = dec.evicted  # as the chain: slot_room - P = the nodes a compacted cache's slots still hold
-        slot_room = runtime.max_context if ev is None else ev.capacity - 1 + ev.shift
+        slot_room = dec.last_position()  # as the chain: slot_room - P = the nodes the slots still hold
         out, n, code, end, counts, runtime.cache = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(max_new_tokens), np.int32(runtime.max_context), np.int32(slot_room), _eos_array(stop_ids),

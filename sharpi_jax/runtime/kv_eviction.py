@@ -37,6 +37,11 @@ class Evicted:
     def slot(self, position: int) -> int:
         return position - self.shift
 
+    @property
+    def last_position(self) -> int:
+        """The last position the compacted caches' slots hold."""
+        return self.capacity - 1 + self.shift
+
 
 def kv_capacity(kv: SnapKV | None, max_new_tokens: int, max_context: int) -> int | None:
     """Slots of a compacted cache: kv_budget + max_new_tokens, at most max_context (None: no policy)."""

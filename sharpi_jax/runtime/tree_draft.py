@@ -130,8 +130,7 @@ class TreeDrafter:
         prev_hp, prev_row = root_h, {0: 0}  # expanded node -> its row in prev_hp
         W = max(1, self.k)
         base = R + 1
-        # Where the MTP cache's slots end, as a position (a compacted cache: its slots + shift).
-        S = cache.k.shape[1] + (0 if cache.shift is None else int(cache.shift))
+        S = int(cache.end_position())  # where the MTP cache's slots end, as a position
         for d in range(1, depth):
             level = [i for i in range(len(tok)) if dep[i] == d]
             others = sorted((i for i in level if not chain[i]), key=lambda i: -score[i])
