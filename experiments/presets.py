@@ -25,6 +25,14 @@ FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
 HELD_OUT_SOURCES = tuple(f"experiments/data/held_out/{name}.py.txt" for name in (
     "api", "plan", "speculative", "reader", "gated_delta_net", "qtensor"))
 
+# Short Python prompts: the sweeps' "python" prompt set and the draft-vocabulary evaluation's opening prompts.
+PYTHON_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\nclass ",
+    "    def __init__(self, name, value=None):\n        self.name = name\n",
+    "def read_config(path):\n    with open(path) as f:\n",
+]
+
 
 # What llama-quantize's Q4_K_M makes of the 35B-A3B-shaped 4-layer slice (measured; WORKSPACE, "No silent
 # fallback, and the type mix of K-quant files"): these 7 tensors Q6_K, every other matrix Q4_K. As

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 
 from absl import app, flags
 
+from experiments.presets import PYTHON_PROMPTS
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
 
 FLAGS = flags.FLAGS
@@ -52,13 +53,6 @@ LOAD_OPTIONS = frozenset({"max_context", "expert_budget", "expert_budget_frac", 
 SPECULATIVE_ONLY = ("draft_tokens", "verify", "tree_nodes", "max_snapshot_bytes")
 TREE_ONLY = ("tree_nodes", "max_snapshot_bytes")  # collapsed for speculative = "mtp" (the chain)
 DEFAULT_REPEATS = 3
-
-PYTHON_PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\nclass ",
-    "    def __init__(self, name, value=None):\n        self.name = name\n",
-    "def read_config(path):\n    with open(path) as f:\n",
-]
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

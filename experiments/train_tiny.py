@@ -128,6 +128,13 @@ def main(argv) -> None:
         shutil.copyfile(out_dir / "tiny-trained-Q8_0.gguf", ASSETS_DIR / "default.gguf")
         shutil.copyfile(out_dir / "tiny-trained-F32.gguf", ASSETS_DIR / "default-F32.gguf")
         print(f"installed {ASSETS_DIR / 'default.gguf'} and {ASSETS_DIR / 'default-F32.gguf'}")
+        from sharpi_jax.runtime.draft_vocab import vocab_paths
+
+        stale = vocab_paths(ASSETS_DIR / "default.gguf")[0]  # ranked the old model's drafts
+        if stale.exists():
+            stale.unlink()
+            print(f"removed {stale.name} (the old model's draft ranking); ship the new one with "
+                  "`python -m experiments.draft_vocab_quality --models=default --install`")
     print(f"total {time.perf_counter() - t_start:.0f}s")
 
 

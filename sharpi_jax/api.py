@@ -308,7 +308,8 @@ class Engine:
 
         draft_vocab=N (speculative="mtp"): the MTP head drafts over the N best-ranked token ids only (the
         ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
-        uses the full head, so the tokens are unchanged. out.stats["draft_vocab"] = N.
+        uses the full head, so the tokens are unchanged. out.stats["draft_vocab"] = N and
+        out.stats["draft_vocab_ranking"] = the ranking's file (or the fallback's name).
         """
         opts = GenerateOptions(
             max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, speculative=speculative,
@@ -331,6 +332,8 @@ class Engine:
         stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
         tokens, stats = loops.run(self.runtime, mtp, ids, opts, stop_ids, kv, vocab)
         stats.setdefault("loop", "host")
+        if vocab is not None:
+            stats["draft_vocab_ranking"] = mtp.draft_ranking
         if self.residency is not None:
             stats["experts"] = self.residency.stats(before, self.residency.counters(self.runtime))
         stats["backends"] = backend_summary(self.matrix_backends)  # matrices per backend actually used

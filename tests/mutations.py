@@ -317,6 +317,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/quant/test_ggml.py", "-k", "test_backend_grouped_op_skips_padding_rows"),
     ),
     Mutation(
+        "draft_vocab_counts_every_output",
+        "calibrate_draft_vocab ranks ids by the MTP head's drafts that equal the target's greedy token",
+        "sharpi_jax/runtime/draft_vocab.py",
+        (("        for t in target[draft == target].tolist():\n",
+          "        for t in target.tolist():  # MUTATION: every output counted, drafted correctly or not\n"),),
+        ("tests/runtime/test_draft_vocab.py::test_output_unchanged_and_calibration_saved",),
+    ),
+    Mutation(
+        "draft_vocab_argmax_unmapped",
+        "draft_vocab=N: the draft is the subset's argmax mapped back to its token id",
+        "sharpi_jax/runtime/draft_vocab.py",
+        (("        return self.ids[jnp.argmax(logits[0])].astype(jnp.int32)\n",
+          "        return jnp.argmax(logits[0]).astype(jnp.int32)  # MUTATION: the subset index as a token id\n"),),
+        ("tests/runtime/test_draft_vocab.py::test_subset_head_is_the_full_head_restricted",),
+    ),
+    Mutation(
         "pallas_reduce_drops_last_rank",
         "pallas (interpret on CPU) matches the reference: the weighted top-k reduce kernel",
         "pallas_kernels/weighted_reduce/kernel.py",

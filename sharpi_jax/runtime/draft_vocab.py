@@ -4,11 +4,13 @@ The draft step's LM head product is restricted to N gathered rows of the head (g
 their own QTensor rows, `DraftVocab`), its argmax mapped back to a token id. Verification always uses
 the full head, so the output is unchanged; only the acceptance can drop.
 
-Ranking: token ids by calibrated frequency (`calibrate`: the target's own greedy outputs on the prompts,
-teacher-forced predictions and continuations: what the drafts must match), saved beside the model as
-`<model>.gguf.draft-vocab.json` (or in $SHARPI_CACHE, default ~/.cache/sharpi-jax, when its directory
-is read-only) and found there automatically; ids never seen follow in id order. Fallback when nothing is saved: token id order, which
-for a byte-level BPE vocabulary is the merge order (earlier merges are the more frequent pairs).
+Ranking: token ids by calibrated frequency (`calibrate`: how often the MTP head's full-vocabulary draft
+equals the target's greedy token, over each prompt and its greedy continuation: the drafts a subset can
+keep or lose), saved beside the model as `<model>.gguf.draft-vocab.json` (or in $SHARPI_CACHE, default
+~/.cache/sharpi-jax, when its directory is read-only) and found there automatically; ids never seen
+follow in id order. The embedded model ships one (`experiments.draft_vocab_quality --install`).
+Fallback when nothing is saved: token id order, which for a byte-level BPE vocabulary is the merge
+order (earlier merges are the more frequent pairs).
 """
 
 from __future__ import annotations
@@ -71,19 +73,29 @@ def save(counts: Mapping[int, int], model_path: str | os.PathLike[str], tokens: 
 
 def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[str] = True,
               generate_tokens: int = 64) -> dict[int, int]:
-    """Counts of the target's own output tokens over prompts (text or ids): its greedy prediction at
-    every prompt position (teacher-forced) plus its greedy continuation of each prompt (up to
-    generate_tokens, to an EOS): the tokens a draft must propose to be accepted. The prompts' own ids
-    are not counted (the input distribution, not the target's output). save_to=True saves beside the
+    """Counts of accepted first drafts over prompts (text or ids): each prompt is extended by the
+    target's greedy continuation (up to generate_tokens, to an EOS), and at every position p of that
+    sequence where the MTP head's full-vocabulary draft (teacher-forced, `engine.mtp_logits`) equals the
+    target's greedy token at p + 1, that token is counted. A draft vocabulary keeps exactly the accepted
+    drafts whose token it holds, so these are the ids worth holding; tokens the head never drafts
+    correctly (rare identifiers) count for nothing, where plain output frequency ranked them high
+    (WORKSPACE, "Draft vocabulary: the ranking and its acceptance"). save_to=True saves beside the
     model; a path saves there."""
     counts: dict[int, int] = {}
     tokens = 0
     for p in prompts:
         ids = engine.check_ids(engine.tokenizer.encode(p) if isinstance(p, str) else list(p))
+        if not ids:
+            continue
         out = engine.generate(ids, max_new_tokens=generate_tokens).tokens if generate_tokens > 0 else []
-        for t in [*np.argmax(engine.logits(ids), axis=-1).tolist(), *out]:
+        seq = [*ids, *out]
+        tokens += len(seq)
+        if len(seq) < 2:
+            continue
+        target = np.argmax(engine.logits(seq), axis=-1)[1:]  # target[p - 1]: the target's token at p + 1
+        draft = np.argmax(engine.mtp_logits(seq), axis=-1)  # draft[p - 1]: the head's token at p + 1 (p >= 1)
+        for t in target[draft == target].tolist():
             counts[int(t)] = counts.get(int(t), 0) + 1
-        tokens += len(ids)
     if not tokens:
         raise InputError("calibrate_draft_vocab needs at least one prompt")
     if save_to:

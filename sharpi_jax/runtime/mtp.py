@@ -143,6 +143,11 @@ class MTPRuntime:
         returning a `Draft`: for programs that nest it, such as the device loop)."""
         return self._draft
 
+    @property
+    def draft_ranking(self) -> str | None:
+        """Where the kept draft vocabulary's ranking came from: a saved file's path, or the fallback."""
+        return next(iter(self._vocabs))[1] if self._vocabs else None
+
     def forget_draft_vocabs(self) -> None:
         """Drop the gathered draft heads (after a new calibration)."""
         self._vocabs = {}

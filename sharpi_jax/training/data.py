@@ -43,11 +43,11 @@ def corpus_files(root: str | os.PathLike[str] | None = None) -> list[Path]:
     return sorted(files, key=key)
 
 
-def load_corpus(byte_budget: int = 3_000_000, root: str | os.PathLike[str] | None = None,
-                max_file_bytes: int = 200_000) -> list[str]:
-    """Whole source files (UTF-8, non-empty, at most max_file_bytes each) in hash order until
-    byte_budget bytes are collected."""
-    texts, total = [], 0
+def corpus_selection(byte_budget: int = 3_000_000, root: str | os.PathLike[str] | None = None,
+                     max_file_bytes: int = 200_000) -> list[tuple[Path, str]]:
+    """(path, text) of whole source files (UTF-8, non-empty, at most max_file_bytes each) in hash order
+    until byte_budget bytes are collected: the files a corpus of that budget trains on."""
+    out, total = [], 0
     for path in corpus_files(root):
         try:
             raw = path.read_bytes()
@@ -59,11 +59,17 @@ def load_corpus(byte_budget: int = 3_000_000, root: str | os.PathLike[str] | Non
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        texts.append(text)
+        out.append((path, text))
         total += len(raw)
         if total >= byte_budget:
             break
-    return texts
+    return out
+
+
+def load_corpus(byte_budget: int = 3_000_000, root: str | os.PathLike[str] | None = None,
+                max_file_bytes: int = 200_000) -> list[str]:
+    """The texts of `corpus_selection`."""
+    return [text for _, text in corpus_selection(byte_budget, root, max_file_bytes)]
 
 
 @dataclasses.dataclass
@@ -132,5 +138,5 @@ def eval_batches(stream: np.ndarray, batch: int, seq_len: int, max_batches: int 
     return out[:max_batches] if max_batches is not None else out
 
 
-__all__ = ["Corpus", "EOS_TEXT", "build_corpus", "corpus_files", "eval_batches", "load_corpus",
+__all__ = ["Corpus", "EOS_TEXT", "build_corpus", "corpus_files", "corpus_selection", "eval_batches", "load_corpus",
            "random_batches", "stdlib_dir"]

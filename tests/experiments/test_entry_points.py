@@ -90,6 +90,10 @@ COMMANDS = {
         "--models=default", "--budgets=40,400", "--kv_window=8", "--kv_pool=3", "--new_tokens=6",
         "--prompt_tokens=64", "--mtp_k=0", "--max_context=96", f"--out={t / 'snap.jsonl'}",
         f"--plot_dir={t / 'plots'}"]),
+    "test_draft_vocab_quality": ("draft_vocab_quality", lambda t: [
+        "--models=default", "--sizes=64", "--eval_files=2", "--eval_windows=1", "--eval_tokens=12",
+        "--calibration_files=2", "--calibration_windows=2", "--calibration_tokens=16", "--generate_tokens=4",
+        "--new_tokens=6", "--max_context=96", "--oracle", f"--out={t / 'dv.json'}"]),
     "test_generate_snapkv_flags": ("generate", lambda t: [
         "--kv_policy=snapkv", "--kv_budget=8", "--kv_window=4", "--kv_pool=3", "--max_new_tokens=4",
         "--max_context=64", "--speculative=mtp", "--draft_tokens=2", "--json",
@@ -186,6 +190,29 @@ def test_snapkv_quality(runs, request):
     assert r["kv_budget"] == 40 and r["prompt_tokens"] == 64 and r["kv_evicted"] == 24
     assert 0 <= r["agreement"] <= 1 and r["rel_l2"] >= 0 and 0 <= r["first_divergence"] <= 6
     assert (tmp / "plots" / "snapkv_quality_vs_budget.png").stat().st_size > 5000
+
+
+def test_draft_vocab_quality(runs, request):
+    """Both evaluation sets, each with the full head and draft_vocab=64 under the fallback, calibrated and
+    oracle rankings; lossless everywhere; the gap is relative to the full head's rate; the calibration
+    ran on a private copy (nothing written beside the embedded model)."""
+    from sharpi_jax.assets import DEFAULT_MODEL
+    from sharpi_jax.runtime.draft_vocab import vocab_paths
+
+    shipped = vocab_paths(DEFAULT_MODEL)[0]
+    before = shipped.stat().st_mtime_ns if shipped.exists() else None
+    tmp, res = result(runs, request)
+    assert "installed" not in ok(res).stdout and "rel. gap" in res.stdout
+    (rec,) = json.loads((tmp / "dv.json").read_text())["records"]
+    assert rec["sets"] == {"repo": 4 + 6, "stdlib": 2} and rec["calibration"]["windows"] == 4
+    assert rec["calibration"]["drafts_counted"] > 0
+    for rows in rec["results"].values():
+        assert set(rows) == {"full", "64 fallback", "64 calibrated", "64 oracle"}
+        full = rows["full"]["acceptance_rate"]
+        for r in rows.values():
+            assert r["same_tokens"] and r["drafted"] > 0 and r["acceptance_rate"] == r["accepted"] / r["drafted"]
+            assert r["relative_gap"] == pytest.approx((full - r["acceptance_rate"]) / full)
+    assert (shipped.stat().st_mtime_ns if shipped.exists() else None) == before
 
 
 def test_generate_snapkv_flags(runs, request):

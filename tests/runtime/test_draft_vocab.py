@@ -35,6 +35,19 @@ def test_ranking_and_fallback():
     assert rank.tolist() == list(range(6)) and source == draft_vocab.FALLBACK
 
 
+def test_the_embedded_model_ships_its_ranking():
+    """sj.load()'s draft_vocab=N ranks by the shipped calibration beside the embedded file
+    (`experiments.draft_vocab_quality --install`), not the fallback."""
+    shipped = draft_vocab.vocab_paths(default_model_path())[0]
+    assert shipped.exists()
+    engine = sj.load(max_context=64)
+    rank, source = draft_vocab.load_ranking(default_model_path(), engine.config.n_vocab)
+    assert source == str(shipped) and sorted(rank.tolist()) == list(range(engine.config.n_vocab))
+    assert rank[:512].tolist() != list(range(512))
+    out = engine.generate(PROMPT, max_new_tokens=4, speculative="mtp", draft_vocab=512)
+    assert out.stats["draft_vocab_ranking"] == str(shipped)
+
+
 def test_subset_head_is_the_full_head_restricted(engine):
     """The gathered rows' logits are the full head's at those ids (to 1e-5: an N-row product may round
     its columns differently from the full one); the draft token is the subset's argmax mapped back to
@@ -60,22 +73,30 @@ def test_output_unchanged_and_calibration_saved(engine, monkeypatch, tmp_path):
     counts = engine.calibrate_draft_vocab(CALIBRATION)
     saved = draft_vocab.vocab_paths(engine.path)[0]
     assert saved.exists()
-    # The statistic: the target's own greedy outputs (teacher-forced predictions over each prompt and
-    # its greedy continuation), not the prompts' ids.
+    # The statistic: per position p >= 1 of each prompt + its greedy continuation, the target's greedy
+    # token at p + 1 when the MTP head's teacher-forced draft (from ids[p] and h[p-1]) equals it.
     want: dict[int, int] = {}
+    positions = missed = 0
     for p in CALIBRATION:
         ids = engine.tokenizer.encode(p)
-        cont = engine.generate(ids, max_new_tokens=64, loop="host").tokens
-        for t in np.argmax(engine.logits(ids), axis=-1).tolist() + cont:
-            want[t] = want.get(t, 0) + 1
-    assert counts == want and sum(want.values()) > sum(len(engine.tokenizer.encode(p)) for p in CALIBRATION)
+        seq = ids + engine.generate(ids, max_new_tokens=64, loop="host").tokens
+        logits, mtp = engine.logits(seq), engine.mtp_logits(seq)
+        for pos in range(1, len(seq)):
+            t = int(np.argmax(logits[pos]))
+            positions += 1
+            if int(np.argmax(mtp[pos - 1])) == t:
+                want[t] = want.get(t, 0) + 1
+            else:
+                missed += 1
+    assert counts == want and missed > 0 and sum(want.values()) > positions // 4
     rank, source = draft_vocab.load_ranking(engine.path, engine.config.n_vocab)
     assert source == str(saved) and rank[0] == max(counts, key=lambda i: (counts[i], -i))
     for loop in ("host", "device"):
         out = engine.generate(PROMPT, max_new_tokens=32, speculative="mtp", loop=loop, draft_vocab=512)
         assert out.tokens == ref.tokens == full.tokens == fallback.tokens
-        assert out.stats["draft_vocab"] == 512
-    assert full.stats["draft_vocab"] is None
+        assert out.stats["draft_vocab"] == 512 and out.stats["draft_vocab_ranking"] == str(saved)
+    assert full.stats["draft_vocab"] is None and "draft_vocab_ranking" not in full.stats
+    assert fallback.stats["draft_vocab_ranking"] == draft_vocab.FALLBACK
     assert fallback.stats["drafted"] > 0
 
 
