@@ -3,6 +3,7 @@
     python -m experiments.generate --gguf=PATH --prompt="def fib(n):" --max_new_tokens=64 [--json]
     python -m experiments.generate --speculative=mtp --draft_tokens=3 --max_new_tokens=48 --compare
     python -m experiments.generate --speculative=mtp_tree --draft_tokens=4 --tree_nodes=12 --compare
+    python -m experiments.generate --speculative=mtp --draft_vocab=512 --compare   # chain over 512 ranked ids
     python -m experiments.generate --kv_policy=snapkv --kv_budget=256 --speculative=mtp --prompt="$(cat f.py)"
 
 With no --gguf it runs the embedded default model. --json prints one JSON object {tokens, text, stats};
@@ -15,6 +16,7 @@ MTP are each warmed up (compilation excluded), then --repeats interleaved rounds
 chain, the tree of the same depth (--tree_nodes, default 8) is timed in the same rounds and printed
 beside it (--nocompare_tree: not). --loop picks the device loop (default) or the host loop. The
 text and stats shown are those of the first timed MTP run. With --json the object gets "compare".
+--draft_vocab applies to the chain only (MTP off and the tree beside it run without it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ flags.DEFINE_enum("verify", "batched", ["batched", "sequential"],
                   "MTP verify: one trunk pass over the k+1 rows, or one single-token step per row.")
 flags.DEFINE_enum("loop", "device", ["device", "host"], "device: the decode loop runs as one jitted program on "
                   "the device; host: one jitted call per step / pass from Python (the sequential reference).")
+flags.DEFINE_integer("draft_vocab", None, "mtp: the chain drafts over the N best-ranked token ids only (the file's "
+                     "calibrated ranking, else id order); verification uses the full head, so the tokens are "
+                     "unchanged.")
 flags.DEFINE_integer("tree_nodes", None, "mtp_tree: draft nodes per trunk pass (default max(8, draft_tokens)).")
 flags.DEFINE_integer("max_snapshot_bytes", None, "mtp_tree: cap on the GDN snapshot bytes a pass keeps (one "
                      "snapshot per node; lowers tree_nodes).")
@@ -125,7 +130,9 @@ def main(argv) -> int:
         if s.get("speculative") == "mtp":
             print(f"[MTP k={s['draft_tokens']} ({s['verify']} verify): {s['accepted']}/{s['drafted']} drafts accepted "
                   f"({s['acceptance_rate']:.1%}), {s['mean_accept_len']:.2f} tokens per trunk pass, "
-                  f"per position {', '.join(f'{x:.2f}' for x in s['accept_per_position'])}]", file=sys.stderr)
+                  f"per position {', '.join(f'{x:.2f}' for x in s['accept_per_position'])}"
+                  + (f"; draft vocabulary {s['draft_vocab']} ids ranked by {s['draft_vocab_ranking']}"
+                     if s.get("draft_vocab") else "") + "]", file=sys.stderr)
         if s.get("speculative") == "mtp_tree":
             print(f"[MTP tree depth {s['draft_tokens']}, {s['tree_nodes']} nodes ({s['verify']} verify): "
                   f"{s['accepted']}/{s['drafted']} nodes accepted, {s['mean_accept_len']:.2f} tokens per trunk pass, "
@@ -160,7 +167,7 @@ def _options():
                             "--tree_nodes of the tree timed beside the chain)")
     return GenerateOptions(
         max_new_tokens=FLAGS.max_new_tokens, stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
-        draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify, loop=FLAGS.loop,
+        draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify, loop=FLAGS.loop, draft_vocab=FLAGS.draft_vocab,
         tree_nodes=FLAGS.tree_nodes if tree else None, max_snapshot_bytes=FLAGS.max_snapshot_bytes if tree else None,
         sampling=SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                                 min_p=FLAGS.min_p, seed=FLAGS.seed))
@@ -202,10 +209,10 @@ def _compare(engine, opts):
     8 nodes) as a third mode."""
     from experiments.timing import interleaved, put_spread
 
-    modes = [dataclasses.replace(opts, speculative=None), opts]
+    modes = [dataclasses.replace(opts, speculative=None, draft_vocab=None), opts]
     tree = opts.speculative == "mtp" and FLAGS.compare_tree
     if tree:
-        modes.append(dataclasses.replace(opts, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes))
+        modes.append(dataclasses.replace(opts, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes, draft_vocab=None))
     quiet = FLAGS.json
 
     def run(o):

@@ -94,6 +94,9 @@ COMMANDS = {
         "--models=default", "--sizes=64", "--eval_files=2", "--eval_windows=1", "--eval_tokens=12",
         "--calibration_files=2", "--calibration_windows=2", "--calibration_tokens=16", "--generate_tokens=4",
         "--new_tokens=6", "--max_context=96", "--oracle", f"--out={t / 'dv.json'}"]),
+    "test_generate_draft_vocab_compare": ("generate", lambda t: [
+        "--speculative=mtp", "--draft_vocab=256", "--compare", "--nocompare_tree", "--repeats=1",
+        "--max_new_tokens=8", "--max_context=64", "--json"]),
     "test_generate_snapkv_flags": ("generate", lambda t: [
         "--kv_policy=snapkv", "--kv_budget=8", "--kv_window=4", "--kv_pool=3", "--max_new_tokens=4",
         "--max_context=64", "--speculative=mtp", "--draft_tokens=2", "--json",
@@ -213,6 +216,19 @@ def test_draft_vocab_quality(runs, request):
             assert r["same_tokens"] and r["drafted"] > 0 and r["acceptance_rate"] == r["accepted"] / r["drafted"]
             assert r["relative_gap"] == pytest.approx((full - r["acceptance_rate"]) / full)
     assert (shipped.stat().st_mtime_ns if shipped.exists() else None) == before
+
+
+def test_generate_draft_vocab_compare(runs, request):
+    """--draft_vocab=N: the chain drafts over the shipped ranking's N ids, MTP off beside it without one,
+    the tokens identical."""
+    from sharpi_jax.assets import DEFAULT_MODEL
+    from sharpi_jax.runtime.draft_vocab import vocab_paths
+
+    _, res = result(runs, request)
+    out = json.loads(ok(res).stdout.strip().splitlines()[-1])
+    s, c = out["stats"], out["compare"]
+    assert s["draft_vocab"] == 256 and s["draft_vocab_ranking"] == str(vocab_paths(DEFAULT_MODEL)[0])
+    assert c["same_tokens"] and s["drafted"] > 0 and "tree" not in c
 
 
 def test_generate_snapkv_flags(runs, request):
