@@ -109,7 +109,7 @@ def measure(name: str, tmp: Path) -> dict:
     import sharpi_jax as sj
     from sharpi_jax.runtime import draft_vocab
 
-    src = resolve_model(None if name == "default" else name)
+    src = resolve_model(name)
     path = tmp / src.name
     shutil.copy(src, path)  # calibration writes beside the file: never beside the original
     engine = sj.load(path, max_context=FLAGS.max_context)

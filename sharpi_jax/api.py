@@ -200,7 +200,7 @@ class Engine:
         ids = self.check_ids(ids)
         rt = self.runtime
         chunks, _, _ = rt.prefill(rt.new_state(), ids)
-        logits = np.concatenate([np.asarray(rt.head(h))[:n] for h, n in chunks])
+        logits = rt.chunk_logits(chunks)
         hidden = np.concatenate([np.asarray(h)[:n] for h, n in chunks])
         return logits, hidden
 

@@ -49,18 +49,30 @@ def ranking(counts: Mapping[int, int] | None, n_vocab: int) -> np.ndarray:
 
 
 def load_ranking(model_path: str | os.PathLike[str], n_vocab: int) -> tuple[np.ndarray, str]:
-    """(ranking, source): the saved calibration's, else the fallback (token id order)."""
+    """(ranking, source): the saved calibration's, else the fallback (token id order). A file is parsed
+    once per version (its path, mtime and size), not on every generate call."""
     for p in vocab_paths(model_path):
         if p.exists():
-            try:
-                data = json.loads(p.read_text())
-                counts = {int(i): int(c) for i, c in data["counts"].items()}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise InputError(f"draft vocabulary file {p}: {e}") from None
-            if any(not 0 <= i < n_vocab for i in counts):
-                raise InputError(f"draft vocabulary file {p}: token ids outside [0, {n_vocab})")
-            return ranking(counts, n_vocab), str(p)
+            st = p.stat()
+            return _file_ranking(str(p), st.st_mtime_ns, st.st_size, n_vocab), str(p)
     return np.arange(n_vocab, dtype=np.int32), FALLBACK
+
+
+@functools.lru_cache(maxsize=8)
+def _file_ranking(path: str, mtime_ns: int, size: int, n_vocab: int) -> np.ndarray:
+    """The ranking in a saved file (read-only; mtime_ns and size key the cache: a rewritten file is read
+    again)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        counts = {int(i): int(c) for i, c in data["counts"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InputError(f"draft vocabulary file {p}: {e}") from None
+    if any(not 0 <= i < n_vocab for i in counts):
+        raise InputError(f"draft vocabulary file {p}: token ids outside [0, {n_vocab})")
+    rank = ranking(counts, n_vocab)
+    rank.setflags(write=False)
+    return rank
 
 
 def save(counts: Mapping[int, int], model_path: str | os.PathLike[str], tokens: int,
@@ -75,12 +87,13 @@ def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[
               generate_tokens: int = 64) -> dict[int, int]:
     """Counts of accepted first drafts over prompts (text or ids): each prompt is extended by the
     target's greedy continuation (up to generate_tokens, to an EOS), and at every position p of that
-    sequence where the MTP head's full-vocabulary draft (teacher-forced, `engine.mtp_logits`) equals the
+    sequence where the MTP head's full-vocabulary draft (teacher-forced, as `engine.mtp_logits`) equals the
     target's greedy token at p + 1, that token is counted. A draft vocabulary keeps exactly the accepted
     drafts whose token it holds, so these are the ids worth holding; tokens the head never drafts
     correctly (rare identifiers) count for nothing, where plain output frequency ranked them high
     (WORKSPACE, "Draft vocabulary: the ranking and its acceptance"). save_to=True saves beside the
     model; a path saves there."""
+    rt = engine.runtime
     counts: dict[int, int] = {}
     tokens = 0
     for p in prompts:
@@ -92,8 +105,12 @@ def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[
         tokens += len(seq)
         if len(seq) < 2:
             continue
-        target = np.argmax(engine.logits(seq), axis=-1)[1:]  # target[p - 1]: the target's token at p + 1
-        draft = np.argmax(engine.mtp_logits(seq), axis=-1)  # draft[p - 1]: the head's token at p + 1 (p >= 1)
+        # One trunk prefill serves both: the target's teacher-forced logits (as `Engine.logits`) and the
+        # MTP head's (as `Engine.mtp_logits`), which would otherwise run the prefill again.
+        chunks = rt.prefill(rt.new_state(), seq).chunks
+        target = np.argmax(rt.chunk_logits(chunks), axis=-1)[1:]
+        draft = np.argmax(engine.mtp.teacher_forced_logits(seq, chunks), axis=-1)
+        # target[p - 1]: the target's token at p + 1; draft[p - 1]: the head's token at p + 1 (p >= 1)
         for t in target[draft == target].tolist():
             counts[int(t)] = counts.get(int(t), 0) + 1
     if not tokens:

@@ -200,13 +200,16 @@ class MTPRuntime:
         """MTP LM head on post-norm rows [B >= 2, D]."""
         return self._logits(self.params, h)
 
+    def teacher_forced_logits(self, ids: Sequence[int], chunks, zero_h_first: bool = False) -> np.ndarray:
+        """`teacher_forced_mtp_logits` from a trunk prefill of ids already run (`Prefill.chunks`)."""
+        _, _, hps = self.prefill(self.new_cache(), ids, chunks, zero_h_first)
+        logits = np.concatenate([np.asarray(self.logits(hp))[:m] for hp, m in hps])
+        return logits[1:] if zero_h_first else logits
+
 
 def teacher_forced_mtp_logits(runtime: Runtime, mtp: MTPRuntime, ids: Sequence[int],
                               zero_h_first: bool = False) -> np.ndarray:
     """MTP logits [T-1, V] at positions 1..T-1 from pairs (ids[p], h[p-1]), h final-normed trunk
     hiddens (chunked prefill). By default the MTP sequence starts at p = 1, as the transformers
     reference; zero_h_first also puts (ids[0], h = 0) first, as llama.cpp."""
-    chunks, _, _ = runtime.prefill(runtime.new_state(), ids)
-    _, _, hps = mtp.prefill(mtp.new_cache(), ids, chunks, zero_h_first)
-    logits = np.concatenate([np.asarray(mtp.logits(hp))[:m] for hp, m in hps])
-    return logits[1:] if zero_h_first else logits
+    return mtp.teacher_forced_logits(ids, runtime.prefill(runtime.new_state(), ids).chunks, zero_h_first)

@@ -227,6 +227,11 @@ class Runtime:
         """LM head on a [B, D] bucket of final-normed hidden rows (B >= 2)."""
         return self._fns.head(self.params, self.cache, hidden)
 
+    def chunk_logits(self, chunks: list) -> np.ndarray:
+        """Teacher-forced logits [T, V] of a prefill's chunks (`Prefill.chunks`): the LM head on every
+        valid row."""
+        return np.concatenate([np.asarray(self.head(h))[:n] for h, n in chunks])
+
     def decode_step(self, state: DecodeState, token: int, pos: int) -> Step:
         """One token at position pos -> `Step(logits [V], hidden [D], state)`."""
         out, self.cache = self._fns.decode(self.params, self.cache, state, np.int32(token), np.int32(pos))
