@@ -26,6 +26,7 @@
 
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "multirow.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -124,6 +125,8 @@ std::string check_type(int qtype) {
 struct Kernel {
   ggml_vec_dot_t vec_dot;
   ggml_from_float_t from_float;  // nullptr: activations stay f32
+  sharpi::MultiRowFn multirow;   // nullptr: one vec_dot per element
+  int64_t multirow_min;          // fewer rows than this: vec_dot per element (same bits, faster there)
   size_t w_row;                  // bytes of one weight row
   size_t q_row;                  // bytes of one quantized activation row
   int64_t k;
@@ -132,6 +135,8 @@ struct Kernel {
     auto type = static_cast<ggml_type>(qtype);
     const auto* tr = ggml_get_type_traits_cpu(type);
     vec_dot = tr->vec_dot;
+    multirow = sharpi::multirow_kernel(qtype);
+    multirow_min = sharpi::multirow_min_rows(qtype);
     from_float = tr->vec_dot_type == GGML_TYPE_F32 ? nullptr : ggml_get_type_traits_cpu(tr->vec_dot_type)->from_float;
     w_row = ggml_row_size(type, k);
     q_row = ggml_row_size(tr->vec_dot_type, k);
@@ -164,15 +169,16 @@ std::string check_rows(int qtype, int64_t k, int64_t row_bytes) {
   return "";
 }
 
-// out[m, n] = vec_dot(w[n], q[m]) for n in [n0, n1): the weight rows of the tile stay in cache while
-// every activation row passes over them.
-void tile_product(const Kernel& kr, const uint8_t* w, const uint8_t* q, int64_t m_rows, int64_t n0, int64_t n1,
-                  float* out, int64_t out_stride) {
-  for (int64_t m = 0; m < m_rows; ++m) {
-    const uint8_t* qm = q + m * kr.q_row;
-    float* om = out + m * out_stride;
-    for (int64_t n = n0; n < n1; ++n) om[n] = kr.dot(w + n * kr.w_row, qm);
+// out[m][n] = vec_dot(w[n], q[m]) for n in [n0, n1) and every row of `rs`: the multi-row kernel (each
+// weight block unpacked once for all rows, same bits) where one serves the type, else one vec_dot per
+// element with the tile's weight rows kept in cache while every activation row passes over them.
+void rows_product(const Kernel& kr, const uint8_t* w, int64_t n0, int64_t n1, const sharpi::RowSet& rs) {
+  if (kr.multirow != nullptr && rs.m >= kr.multirow_min) {
+    kr.multirow(kr.k, w, kr.w_row, n0, n1, rs);
+    return;
   }
+  for (int64_t m = 0; m < rs.m; ++m)
+    for (int64_t n = n0; n < n1; ++n) rs.out[m][n] = kr.dot(w + n * kr.w_row, rs.q[m]);
 }
 
 // y[M, N] = x[M, K] @ W[N, K].T with W in ggml blocks.
@@ -182,10 +188,17 @@ void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const u
   Kernel kr(qtype, k);
   std::vector<uint8_t> q(kr.q_row * m_rows);
   pool.run(m_rows, m_rows * k * 8, [&](int64_t m) { kr.quantize(x + m * k, q.data() + m * kr.q_row); });
+  std::vector<const uint8_t*> qp(m_rows);
+  std::vector<float*> op(m_rows);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    qp[m] = q.data() + m * kr.q_row;
+    op[m] = y + m * n_rows;
+  }
+  const sharpi::RowSet rs{qp.data(), op.data(), m_rows};
   int64_t tiles = (n_rows + kTileRows - 1) / kTileRows;
   pool.run(tiles, m_rows * n_rows * k, [&](int64_t t) {
     int64_t n0 = t * kTileRows, n1 = std::min(n_rows, n0 + kTileRows);
-    tile_product(kr, w, q.data(), m_rows, n0, n1, y, n_rows);
+    rows_product(kr, w, n0, n1, rs);
   });
 }
 
@@ -233,21 +246,30 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
   std::vector<uint8_t> hq(n_pairs * kd.q_row);
   const int64_t f_tiles = (F + kTileRows - 1) / kTileRows, d_tiles = (D + kTileRows - 1) / kTileRows;
   const size_t gate_expert = ew.f * kg.w_row, up_expert = ew.f * ku.w_row, down_expert = ew.d * kd.w_row;
+  // Row pointers by pair position (groups' pairs are contiguous): each group's rows are one RowSet slice.
+  std::vector<const uint8_t*> xg(n_pairs), xu(n_pairs), hp(n_pairs);
+  std::vector<float*> go(n_pairs), uo(n_pairs), yo(n_pairs);
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (size_t p = 0; p < groups[g].pairs.size(); ++p) {
+      const int64_t at = pair_base[g] + p, pair = groups[g].pairs[p];
+      xg[at] = xq_g + (pair / k_top) * kg.q_row;
+      xu[at] = xq_u + (pair / k_top) * ku.q_row;
+      hp[at] = hq.data() + at * kd.q_row;
+      go[at] = gate.data() + at * F;
+      uo[at] = up.data() + at * F;
+      yo[at] = y + pair * D;
+    }
 
-  // Phase A units: (group, F-tile, gate or up); a unit keeps its 16 weight rows hot over the group's pairs.
+  // Phase A units: (group, F-tile, gate or up); a unit unpacks its 16 weight rows once for the group's pairs.
   pool.run(static_cast<int64_t>(groups.size()) * f_tiles * 2, 2 * n_pairs * F * D, [&](int64_t u) {
     const bool is_up = u & 1;
     u >>= 1;
-    const Group& grp = groups[u / f_tiles];
+    const int64_t g = u / f_tiles, base = pair_base[g];
     int64_t n0 = (u % f_tiles) * kTileRows, n1 = std::min(F, n0 + kTileRows);
-    const Kernel& kr = is_up ? ku : kg;
-    const uint8_t* w = is_up ? ew.up + grp.expert * up_expert : ew.gate + grp.expert * gate_expert;
-    const uint8_t* xq = is_up ? xq_u : xq_g;
-    float* out = (is_up ? up.data() : gate.data()) + pair_base[u / f_tiles] * F;
-    for (size_t p = 0; p < grp.pairs.size(); ++p) {
-      const uint8_t* xp = xq + (grp.pairs[p] / k_top) * kr.q_row;
-      for (int64_t n = n0; n < n1; ++n) out[p * F + n] = kr.dot(w + n * kr.w_row, xp);
-    }
+    const sharpi::RowSet rs{(is_up ? xu : xg).data() + base, (is_up ? uo : go).data() + base,
+                            pair_base[g + 1] - base};
+    if (is_up) rows_product(ku, ew.up + groups[g].expert * up_expert, n0, n1, rs);
+    else rows_product(kg, ew.gate + groups[g].expert * gate_expert, n0, n1, rs);
   });
   pool.run(n_pairs, n_pairs * F * 8, [&](int64_t p) {
     std::vector<float> h(F);
@@ -255,15 +277,10 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
     kd.quantize(h.data(), hq.data() + p * kd.q_row);
   });
   pool.run(static_cast<int64_t>(groups.size()) * d_tiles, n_pairs * F * D, [&](int64_t u) {
-    const Group& grp = groups[u / d_tiles];
+    const int64_t g = u / d_tiles, base = pair_base[g];
     int64_t n0 = (u % d_tiles) * kTileRows, n1 = std::min(D, n0 + kTileRows);
-    const uint8_t* wd = ew.down + grp.expert * down_expert;
-    int64_t base = pair_base[u / d_tiles];
-    for (size_t p = 0; p < grp.pairs.size(); ++p) {
-      float* out = y + grp.pairs[p] * D;
-      const uint8_t* hp = hq.data() + (base + p) * kd.q_row;
-      for (int64_t n = n0; n < n1; ++n) out[n] = kd.dot(wd + n * kd.w_row, hp);
-    }
+    const sharpi::RowSet rs{hp.data() + base, yo.data() + base, pair_base[g + 1] - base};
+    rows_product(kd, ew.down + groups[g].expert * down_expert, n0, n1, rs);
   });
 }
 
@@ -435,6 +452,12 @@ NB_MODULE(_ggml, m) {
     d["sharpi_ggml_expert_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlExpertRows));
     return d;
   });
+  m.def("set_multirow", &sharpi::set_multirow_enabled,
+        "Turns the multi-row kernels on (default) or off (every element by vec_dot; same bits, for timing).");
+  m.def("multirow", [](int qtype) { return sharpi::multirow_kernel(qtype) != nullptr; },
+        "Whether products of this type run a multi-row kernel now (AVX2 CPU, enabled, type served).");
+  m.def("multirow_min_rows", &sharpi::multirow_min_rows,
+        "Rows from which this type's products use its multi-row kernel (fewer: vec_dot per element).");
   m.def("check_type", &check_type, "\"\" if ggml's CPU backend multiplies this type, else why not.");
   m.def("check_rows", &check_rows, "\"\" if weight rows of row_bytes hold K values of qtype, else why not.");
   m.def("vec_dot_type", [](int qtype) { return static_cast<int>(ggml_get_type_traits_cpu(static_cast<ggml_type>(qtype))->vec_dot_type); });

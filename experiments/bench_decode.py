@@ -57,7 +57,12 @@ flags.DEFINE_integer("synthetic_prompt_tokens", 32, "Prompt length on the synthe
 flags.DEFINE_integer("synthetic_decode_tokens", 8, "Decode tokens on the synthetic model.")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory (or a binary in it) holding llama-bench "
                     "(optional; else llama-cpp-python when installed).")
-flags.DEFINE_integer("threads", 2, "llama.cpp threads.")
+flags.DEFINE_integer("threads", 2, "llama.cpp threads of the prefill / decode table.")
+flags.DEFINE_list("widths", [], "Also time one trunk pass of w rows (different tokens per row, as drafts) "
+                  "against one decode step for these w, beside llama-bench -p w -n 0 on the same file "
+                  "(e.g. 1,2,4,8,16; w = 1 is the decode step).")
+flags.DEFINE_list("width_threads", ["2"], "Thread counts of the --widths table: ours runs with its process "
+                  "bound to that many cores (sched_setaffinity), llama.cpp with -t.")
 flags.DEFINE_string("jsonl", None, "Also append one JSON line per model here.")
 flags.DEFINE_list("kernels", ["ggml", "xla"], "Matmul backends to compare, each a sj.load kernels=: "
                   "auto | ggml | xla | pallas | reference.")
@@ -159,12 +164,72 @@ def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, 
         outs = [o for o, _ in timed]
         row = {**info, "rss_anon_gib_all_loaded": rss, "prompt_tokens": len(ids), "decode_tokens": len(outs[0].tokens),
                "repeats": repeats,
-               "ids": ids}
+               "ids": ids, "ids_for_widths": ids}
         put_spread(row, "prefill_tok_s", [o.stats["prefill_tok_s"] for o in outs])
         put_spread(row, "decode_tok_s", [o.stats["decode_tok_s"] for o in outs])
         put_spread(row, "cpu_s_per_call", [c for _, c in timed])
         rows.append(row)
-    return rows, llama
+    return rows, llama, [c[0] for c in loaded]
+
+
+def bench_widths(models, engines, rows) -> list[dict]:
+    """Per model and thread count: --repeats interleaved rounds, each timing our w-row passes (median of 3
+    calls per w, experiments.pass_timing) and then llama-bench -p w -n 0 -r 3 on the same file; records
+    with median / min / max over rounds of our chain pass, the decode step and llama.cpp's batch ms."""
+    from experiments.pass_timing import pass_timing
+
+    widths = sorted({1, *(int(w) for w in FLAGS.widths)})
+    cores = sorted(os.sched_getaffinity(0))
+    out = []
+    for t in (int(x) for x in FLAGS.width_threads):
+        for (name, path, *_), engine, row in zip(models, engines, rows):
+            ours, llama = {w: [] for w in widths}, {w: [] for w in widths}
+            dec, experts, err = [], {}, None
+            for rnd in range(FLAGS.repeats):
+                os.sched_setaffinity(0, cores[:t])
+                try:
+                    recs = pass_timing(engine, row["ids_for_widths"], widths, 3)
+                finally:
+                    os.sched_setaffinity(0, cores)
+                for r in recs:
+                    ours[r["rows"]].append(r["chain_ms"])
+                    experts[r["rows"]] = r.get("experts_per_pass")
+                dec.append(recs[0]["decode_ms"])
+                lc = llama_cpp_side.batch_pass_ms(path, widths, threads=t, llama_bin=FLAGS.llama_bin)
+                if "error" in lc:
+                    err = lc["error"]
+                else:
+                    for w in widths:
+                        llama[w].append(float(np.median(lc[w])))
+                print(f"  widths {name} [{row['kernels']}] threads={t}: round {rnd + 1}/{FLAGS.repeats}",
+                      file=sys.stderr, flush=True)
+            for w in widths:
+                rec = {"model": name, "kernels": row["kernels"], "threads": t, "rows": w,
+                       "experts_per_pass": experts[w]}
+                put_spread(rec, "pass_ms", ours[w])
+                rec["pass_over_decode"] = rec["pass_ms"] / float(np.median(ours[1]))
+                if llama[w]:
+                    put_spread(rec, "llama_ms", llama[w])
+                    rec["llama_over_1"] = rec["llama_ms"] / float(np.median(llama[1]))
+                elif err:
+                    rec["llama_error"] = err
+                out.append(rec)
+    return out
+
+
+def print_widths(recs: list[dict]) -> None:
+    print("\none trunk pass of w rows (different tokens per row) vs one decode step, beside llama.cpp's batch of "
+          "w tokens (llama-bench -p w -n 0) on the same file; median [min-max] ms of interleaved rounds")
+    hdr = (f"{'model':30s} {'kernels':>7s} {'thr':>3s} {'w':>3s} {'ours ms [min-max]':>24s} {'ours/1 row':>10s} "
+           f"{'experts/pass':>12s} {'llama.cpp ms [min-max]':>24s} {'llama/1 row':>11s} {'ours/llama':>10s}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in recs:
+        lc = (f"{fmt_spread(r['llama_ms_runs'], 24, 1)} {r['llama_over_1']:11.2f} {r['pass_ms'] / r['llama_ms']:10.2f}"
+              if "llama_ms" in r else f"  ({r.get('llama_error', 'no llama-bench')[:50]})")
+        ex = f"{r['experts_per_pass']:12.1f}" if r.get("experts_per_pass") is not None else f"{'-':>12s}"
+        print(f"{r['model']:30s} {r['kernels']:>7s} {r['threads']:>3d} {r['rows']:>3d} "
+              f"{fmt_spread(r['pass_ms_runs'], 24, 1)} {r['pass_over_decode']:10.2f} {ex} {lc}")
 
 
 def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:
@@ -238,7 +303,8 @@ def main(argv) -> int:
               file=sys.stderr)
         return 2
     try:
-        ours_rows, llama = bench_ours(models, FLAGS.repeats)
+        ours_rows, llama, engines = bench_ours(models, FLAGS.repeats)
+        width_recs = bench_widths(models, engines, ours_rows) if FLAGS.widths else []
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -251,6 +317,7 @@ def main(argv) -> int:
     print("-" * len(header))
     for (name, path, _, _, n_decode, _, _), ours in zip(models, ours_rows):
         ids = ours.pop("ids")
+        ours.pop("ids_for_widths")
         key = (str(path), len(ids), n_decode)
         if key not in llama:  # once per file, whatever our layouts
             llama[key] = bench_llama_cpp(path, ids, n_decode)
@@ -275,6 +342,12 @@ def main(argv) -> int:
         if FLAGS.jsonl:
             with open(FLAGS.jsonl, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
+    if width_recs:
+        print_widths(width_recs)
+        if FLAGS.jsonl:
+            with open(FLAGS.jsonl, "a") as fh:
+                for r in width_recs:
+                    fh.write(json.dumps({"widths": True, **r}) + "\n")
     rss = ours_rows[0].get("rss_anon_gib_all_loaded") if ours_rows else None
     if rss is not None:
         sizes = sorted({m[1].stat().st_size for m in models})

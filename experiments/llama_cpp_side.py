@@ -118,6 +118,23 @@ def _llama_bench(tool: Path, path: Path, n_prompt: int, n_decode: int, threads: 
     return out
 
 
+def batch_pass_ms(path: Path, widths: list[int], *, threads: int = 2, llama_bin: str | None = None,
+                  repetitions: int = 3) -> dict[int, list[float]] | dict:
+    """llama.cpp's time for one batch of w tokens (ms per run, `llama-bench -p w -n 0`, different tokens
+    per row) for each w in `widths`: {w: [ms of each repetition]}, or {"error": why}."""
+    tool = find_tool(llama_bin, BENCH_TOOL)
+    if tool is None:
+        return {"error": "no llama-bench (--llama_bin)"}
+    cmd = [str(tool), "-m", str(path), "-p", ",".join(str(w) for w in widths), "-n", "0", "-t", str(threads),
+           "-r", str(repetitions), "-o", "json"]
+    try:
+        res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout)
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
+        return {"error": f"llama-bench failed: {e}"}
+    return {int(r["n_prompt"]): [ns / 1e6 for r_ns in [r.get("samples_ns") or [r["avg_ns"]]] for ns in r_ns]
+            for r in res if r.get("n_prompt")}
+
+
 def _llama_cpp_python(path: Path, ids: list[int], n_decode: int, threads: int, n_ctx: int) -> dict:
     args = json.dumps({"path": str(path), "ids": ids, "n_decode": n_decode, "threads": threads, "n_ctx": n_ctx})
     try:

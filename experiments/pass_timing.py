@@ -1,7 +1,12 @@
 """The number that decides whether (tree) speculation pays on a model: the time of one trunk pass of w rows
 over the time of one single-token decode step, chain (w consecutive rows) and tree (w rows of a binary
 tree, parent[t] = (t - 1) // 2), w = 1..16. Where a w-row pass costs about one decode step, drafting w
-tokens per pass multiplies the decode speed by the accepted length. Used by `bench_verify --pass_widths`.
+tokens per pass multiplies the decode speed by the accepted length. Used by `bench_verify --pass_widths`
+and `bench_decode --widths`.
+
+The rows carry different tokens, as real drafts do (the prompt's first w tokens, repeated as its
+continuation), so that a MoE routes them to different experts; each record also gives the distinct
+experts the w rows read per MoE layer (from the router's top-k on the same rows, mean over layers).
 """
 
 from __future__ import annotations
@@ -27,9 +32,35 @@ def _timed(fn, state, repeats: int):
     return times, state
 
 
+def row_tokens(ids: Sequence[int], w: int) -> np.ndarray:
+    """The tokens of a w-row pass after `ids`: the prompt's own first w tokens (cycled when it is shorter),
+    so a wider pass's rows extend a narrower one's."""
+    return np.resize(np.asarray(ids, np.int32), w)
+
+
+def experts_per_pass(engine, ids: Sequence[int], widths: Sequence[int]) -> dict[int, float] | None:
+    """Distinct routed experts the rows of each width's pass select, mean over the MoE layers (None for a
+    dense model): one teacher-forced routing trace of ids + the widest pass's rows."""
+    c = engine.config
+    if not c.is_moe:
+        return None
+    from sharpi_jax.runtime.routing import trace_routing
+
+    trace = trace_routing(engine.model, list(ids) + row_tokens(ids, max(widths)).tolist())
+    P, k = len(ids), c.n_expert_used
+    moe = [l for l in range(trace.probs.shape[0]) if not np.isnan(trace.probs[l, P:]).any()]
+    out = {}
+    for w in widths:
+        top = [np.argsort(-trace.probs[l, P:P + w], axis=-1)[:, :k] for l in moe]
+        out[w] = float(np.mean([len(np.unique(t)) for t in top]))
+    return out
+
+
 def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int) -> list[dict]:
     """One record per width w: decode_ms, chain_ms, tree_ms (median/min/max/runs of `repeats` calls at the
-    prompt's end) and the ratios to decode_ms. w = 1 is the decode step itself."""
+    prompt's end), the ratios to decode_ms and, for a MoE, experts_per_pass (distinct experts of the w
+    rows, mean over layers). w = 1 is the decode step itself."""
+    experts = experts_per_pass(engine, ids, widths)
     rt = engine.runtime
     _, _, state = rt.prefill(rt.new_state(), ids)
     P = len(ids)
@@ -48,7 +79,7 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
         if w == 1:
             chain = tree = dec
         else:
-            tokens = np.full(w, tok, np.int32)
+            tokens = row_tokens(ids, w)
             parent = np.array([-1] + [(t - 1) // 2 for t in range(1, w)], np.int32)
 
             def chain_pass(s):
@@ -64,6 +95,8 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
         d = spread(dec)["median"]
         rec["chain_over_decode"] = rec["chain_ms"] / d
         rec["tree_over_decode"] = rec["tree_ms"] / d
+        if experts is not None:
+            rec["experts_per_pass"] = experts[w]
         out.append(rec)
     return out
 
@@ -72,11 +105,14 @@ def print_pass_timing(records: list[dict], what: str) -> None:
     print(f"\none trunk pass of w rows vs one decode step ({what}; median [min-max] ms)")
     hdr = (f"{'w':>3} {'decode ms':>10} {'chain ms [min-max]':>28} {'chain/dec':>9} {'tree ms [min-max]':>28} "
            f"{'tree/dec':>8}")
+    experts = "experts_per_pass" in records[0]
+    if experts:
+        hdr += f" {'experts/pass':>12}"
     print(hdr)
     print("-" * len(hdr))
     for r in records:
         chain = f"{r['chain_ms']:.2f} [{r['chain_ms_min']:.2f}-{r['chain_ms_max']:.2f}]"
         tree = f"{r['tree_ms']:.2f} [{r['tree_ms_min']:.2f}-{r['tree_ms_max']:.2f}]"
         print(f"{r['rows']:>3} {r['decode_ms']:>10.2f} {chain:>28} {r['chain_over_decode']:>9.2f} {tree:>28} "
-              f"{r['tree_over_decode']:>8.2f}")
+              f"{r['tree_over_decode']:>8.2f}" + (f" {r['experts_per_pass']:>12.1f}" if experts else ""))
     print("a pass of w rows costing about one decode step (ratio ~1) is where speculation pays.")

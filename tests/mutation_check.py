@@ -7,7 +7,8 @@ Per mutation: the repo (without .git, .venv, caches) is copied to a temporary di
 applied (each original snippet must occur exactly once, else the mutation is STALE: reported loudly,
 never counted as killed or survived), and `python -m pytest -x -q` runs the mutation's tests with the
 copy as cwd (so the copy's package is imported; checked) and SHARPI_FIXTURES pointing at the real
-fixtures. Killed = pytest exits 1 (a test failed); the failing tests are recorded. Exit status: 0 when
+fixtures. A mutation of csrc/ or CMakeLists.txt first builds the copy's native extension (cmake) and points
+$SHARPI_GGML_EXTENSION at it (checked: the copy's build is the one imported). Killed = pytest exits 1 (a test failed); the failing tests are recorded. Exit status: 0 when
 every mutation was killed, 1 otherwise (a survivor, a stale snippet, or a run that errored).
 """
 
@@ -28,7 +29,9 @@ from pathlib import Path
 from tests.conftest import FIXTURES, REPO_ROOT
 from tests.mutations import MUTATIONS, Mutation, by_name
 
-IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "results", "*.egg-info")
+IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "results", "*.egg-info",
+                                "build")
+NATIVE = ("csrc/", "CMakeLists.txt")  # a mutation of these must run the mutated extension: built in the copy
 
 
 @dataclasses.dataclass
@@ -67,6 +70,41 @@ def stale_reason(m: Mutation, root: Path = REPO_ROOT) -> str | None:
     return None
 
 
+def _copy_import_env(extension: str | None) -> dict[str, str]:
+    """Environment under which the copy's package is imported, not the checkout's: an editable install's
+    finder (scikit-build-core's, first on sys.meta_path) is told to step aside for this tree
+    (SKBUILD_EDITABLE_SKIP), and the native extension it would have supplied is named explicitly (the
+    mutated build, or the installed one)."""
+    env = {}
+    skip = [str(f.path) for f in sys.meta_path
+            if type(f).__name__ == "ScikitBuildRedirectingFinder" and getattr(f, "path", None)]
+    if skip:
+        env["SKBUILD_EDITABLE_SKIP"] = os.pathsep.join(filter(None, [os.environ.get("SKBUILD_EDITABLE_SKIP"), *skip]))
+    if extension is None:
+        from sharpi_jax.quant import ggml
+
+        extension = ggml._ext().__file__ if ggml.available() else None
+    if extension:
+        env["SHARPI_GGML_EXTENSION"] = extension
+    return env
+
+
+def build_native(root: Path) -> tuple[str | None, str | None]:
+    """Compiles the copy's native extension (cmake, a C++17 compiler and nanobind: the test extra).
+    (path of the built module, None) or (None, why not)."""
+    build = root / "build"
+    cfg = ["cmake", "-S", str(root), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+           f"-DPython_EXECUTABLE={sys.executable}"] + (["-G", "Ninja"] if shutil.which("ninja") else [])
+    for cmd in (cfg, ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            return None, f"native build failed: {' '.join(cmd[:2])}: {(p.stdout + p.stderr)[-500:]}"
+    built = sorted(build.glob("_ggml*.so"))
+    if not built:
+        return None, "native build made no _ggml*.so"
+    return str(built[0]), None
+
+
 def run_one(m: Mutation, wider: bool, timeout: float) -> Result:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutation-{m.name}-") as tmp:
@@ -75,11 +113,20 @@ def run_one(m: Mutation, wider: bool, timeout: float) -> Result:
         why = apply(root, m)
         if why:
             return Result(m.name, "stale", [], time.perf_counter() - t0, why)
+        native = m.file.startswith(NATIVE)
+        extension = None
+        if native:
+            extension, why = build_native(root)
+            if why:
+                return Result(m.name, "error", [], time.perf_counter() - t0, why)
         env = dict(os.environ, SHARPI_FIXTURES=str(FIXTURES), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                    PYTHONDONTWRITEBYTECODE="1")
         env.pop("PYTHONPATH", None)
+        env.update(_copy_import_env(extension))
         probe = subprocess.run([sys.executable, "-c", "import sharpi_jax, pallas_kernels; "
-                                "print(sharpi_jax.__file__); print(pallas_kernels.__file__)"],
+                                "print(sharpi_jax.__file__); print(pallas_kernels.__file__)"
+                                + ("; from sharpi_jax.quant import ggml; ggml._ext(); print(ggml._ext().__file__)"
+                                   if native else "")],
                                cwd=root, env=env, capture_output=True, text=True)
         if probe.returncode != 0 or any(not Path(p).resolve().is_relative_to(root.resolve())
                                         for p in probe.stdout.split()):

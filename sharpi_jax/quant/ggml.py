@@ -2,15 +2,19 @@
 
 The native extension `sharpi_jax.quant._ggml` (csrc/ggml_ops.cc, built by `pip install -e .`) quantizes
 each activation row once with ggml's `from_float` for the weight type's `vec_dot_type` (Q8_K for
-K-quants, Q8_0 for Q4_0 / Q8_0 / ..., f16 for F16, f32 for F32) and computes every output element as
-ggml's `vec_dot` of that row with one weight row as stored in the file: the same arithmetic as ggml's
-mul_mat wherever ggml computes a product by vec_dot. Output row m depends only on x[m] (row-stable: a
-row has the same bits for any batch size).
+K-quants, Q8_0 for Q4_0 / Q8_0 / ..., f16 for F16, f32 for F32) and computes every output element with
+the bits of ggml's `vec_dot` of that row with one weight row as stored in the file: the same arithmetic
+as ggml's mul_mat wherever ggml computes a product by vec_dot. For Q4_K / Q5_K / Q6_K products of several
+rows (`multirow_min_rows`), multi-row kernels (csrc/multirow.cc) unpack each weight block once for all rows and repeat
+vec_dot's float operations in its order, so they give the same bits. Output row m depends only on x[m]
+(row-stable: a row has the same bits for any batch size).
 
 - `available()` / `unavailable_reason()`: whether the extension loaded (the reason names cause and fix).
 - `serves(qtype)`: the ggml types this backend computes.
 - `matmul(x, raw, qtype)`: x[M, K] @ W[N, K].T, W as GGUF bytes uint8[N, row_bytes]; one FFI call.
 - `expert_rows(x, ids, gate, up, down, qtypes, mode)`: unreduced routed-expert outputs [N, k, D].
+- `multirow(qtype)` / `set_multirow(on)`: whether that type's products of several rows run a multi-row kernel
+  now; turning them off (same bits) is for timing the vec_dot path beside them.
 - `host_matmul` / `host_expert_rows`: the same computations on numpy arrays (no JAX, e.g. straight from
   the read-only mmap of a GGUF), same bits as the FFI ops.
 """
@@ -53,6 +57,26 @@ def _preload_libggml() -> None:
         ctypes.CDLL(os.path.join(lib, name), mode=ctypes.RTLD_GLOBAL)
 
 
+def _import_extension():
+    """The installed extension, or the build named by $SHARPI_GGML_EXTENSION (a path to a _ggml*.so: how
+    the mutation check runs a mutated build of csrc/ beside the installed one)."""
+    path = os.environ.get("SHARPI_GGML_EXTENSION")
+    if not path:
+        from sharpi_jax.quant import _ggml
+
+        return _ggml
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("sharpi_jax.quant._ggml", path)
+    if spec is None or not os.path.isfile(path):
+        raise ImportError(f"SHARPI_GGML_EXTENSION={path} is not an extension module file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["sharpi_jax.quant._ggml"] = module
+    return module
+
+
 @functools.cache
 def _load():
     """(extension module, None) or (None, one-line reason)."""
@@ -61,7 +85,7 @@ def _load():
     except (ImportError, OSError) as e:
         return None, f"libggml-python missing or broken ({e}); fix: pip install libggml-python"
     try:
-        from sharpi_jax.quant import _ggml
+        _ggml = _import_extension()
     except ImportError as e:
         return None, f"native extension sharpi_jax.quant._ggml not built ({e}); fix: pip install -e ."
     for name, capsule in _ggml.ffi_targets().items():
@@ -82,6 +106,37 @@ def unavailable_reason() -> str | None:
 def serves(qtype: int) -> bool:
     """Whether this backend computes weights of ggml type `qtype` (False when it is unavailable)."""
     return available() and int(qtype) in SERVED_TYPES
+
+
+def multirow(qtype: int) -> bool:
+    """Whether products of `qtype` with `multirow_min_rows(qtype)` or more rows run a multi-row kernel now
+    (AVX2 CPU, enabled)."""
+    return available() and bool(_ext().multirow(int(qtype)))
+
+
+def multirow_min_rows(qtype: int) -> int:
+    """Rows from which products of `qtype` use its multi-row kernel (fewer: ggml's vec_dot per element)."""
+    return int(_ext().multirow_min_rows(int(qtype)))
+
+
+def multirow_unavailable_reason() -> str | None:
+    """None when the multi-row kernels run, else one line saying why not (products stay exact, slower)."""
+    if not available():
+        return unavailable_reason()
+    if _ext().multirow(int(Q.Q4_K)):
+        return None
+    if os.environ.get("SHARPI_GGML_MULTIROW") == "0":
+        return "multi-row kernels off (SHARPI_GGML_MULTIROW=0): products of several rows run one vec_dot per element"
+    return ("multi-row kernels need an x86 CPU with AVX2, FMA and F16C: products of several rows run one ggml "
+            "vec_dot per element (same bits, slower verify and prefill)")
+
+
+def set_multirow(on: bool) -> None:
+    """Multi-row kernels on (the default) or off: every element by ggml's vec_dot, the same bits.
+
+    For measuring the two paths side by side; the environment variable SHARPI_GGML_MULTIROW=0 starts a
+    process with them off."""
+    _ext().set_multirow(bool(on))
 
 
 def _ext():

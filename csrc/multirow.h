@@ -1,0 +1,43 @@
+// Multi-row products: each weight block is unpacked once and used for every activation row.
+//
+// A kernel here computes out[m][n] for a tile of weight rows n and any number of activation rows m,
+// bit for bit equal to ggml's `vec_dot(K, weight row n, activation row m)` (its AVX2 build, the one the
+// libggml-python wheel ships): the integer part of a block product is exact, so it may be computed in
+// any order as long as each of the 8 int32 lanes holds the same products as in ggml; the float part
+// (the per-block scale, the lane accumulators, the final horizontal sum) repeats ggml's operations in
+// ggml's order. So a row's bits depend only on its own activation row (row-stable), and a product
+// equals ggml's own mul_mat graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace sharpi {
+
+// The activation rows of one product: q[m] is row m quantized to the weight type's vec_dot_type;
+// element (m, n) is written to out[m][n].
+struct RowSet {
+  const uint8_t* const* q;
+  float* const* out;
+  int64_t m;
+};
+
+// Computes out[m][n] for n in [n0, n1) and every row of `rows`; `w` points at weight row 0, rows are
+// `w_row` bytes apart and hold `k` values.
+using MultiRowFn = void (*)(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                            const RowSet& rows);
+
+// The kernel for a ggml type id, or nullptr when none serves it on this CPU (then the caller computes
+// each element with ggml's vec_dot).
+MultiRowFn multirow_kernel(int qtype);
+
+// From how many activation rows the type's kernel beats one vec_dot per element (measured on an AVX2
+// Zen 3: ggml's unrolled vec_dot overlaps its unpacking with the multiplies, so sharing the unpacking
+// pays only once several rows share it). Never changes a bit: both paths give vec_dot's bits.
+int64_t multirow_min_rows(int qtype);
+
+// Whether multirow_kernel may return kernels (on by default; off only to measure the vec_dot path).
+void set_multirow_enabled(bool on);
+bool multirow_enabled();
+
+}  // namespace sharpi

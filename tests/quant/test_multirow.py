@@ -1,0 +1,105 @@
+"""Multi-row kernels (csrc/multirow.cc): each weight block unpacked once for all rows, ggml's bits.
+
+References independent of the kernels: ggml's own graph (`ggml_mul_mat` on ggml's CPU backend through
+ctypes, experiments/ggml_graph.py) and ggml's vec_dot path of the same extension (`set_multirow(False)`,
+one ggml vec_dot per element). Blocks are real: fixture tensors and ggml's own quantizer at K = 2048 (the
+35B hidden size: several super-blocks per row) with a partial last tile of weight rows. Row counts cover
+both sides of the vec_dot / multi-row switch (`multirow_min_rows`: 3 or 6), a partial block of 16 activation rows and
+several blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from sharpi_jax.quant import ggml
+from tests.bitwise import assert_bitwise_equal
+from tests.quant.test_ggml import _blocks, _cols, _experts, _ids, _reference, _x
+from gguf import GGMLQuantizationType as Q
+
+TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+FAST_MS = (1, 2, 3, 4, 5, 6, 8, 16, 17, 37, 64)
+
+
+@pytest.fixture
+def vec_dot_path():
+    """Runs the body's calls with the multi-row kernels off, then turns them back on."""
+    ggml.set_multirow(False)
+    yield
+    ggml.set_multirow(True)
+
+
+def test_multirow_serves_the_k_quants():
+    """On these machines (x86 with AVX2) the K-quants of Q4_K_M / Q5_K_M / Q6_K files run multi-row."""
+    assert all(ggml.multirow(t) for t in TYPES)
+    assert not ggml.multirow(Q.Q8_0) and not ggml.multirow(Q.F32)
+    assert all(1 < ggml.multirow_min_rows(t) < max(FAST_MS) for t in TYPES)  # the fast widths cross it
+
+
+def _weights(qt):
+    return (_blocks(qt, rows=100), _blocks(qt, rows=100, cols=2048, fixture=False, seed=5))
+
+
+def _check(qt, ms):
+    f = jax.jit(lambda x, raw: ggml.matmul(x, raw, qt))
+    for raw in _weights(qt):
+        x_all = _x(max(ms), _cols(raw, qt), seed=9) * 3.0
+        for m in ms:
+            x = x_all[:m]
+            y = np.asarray(f(x, raw))
+            assert_bitwise_equal(y, _reference().mul_mat(x, raw, qt))
+            assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=2), y)
+            assert_bitwise_equal(y, np.asarray(f(x_all, raw))[:m])  # row-stable across the switch
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_matmul_is_ggml_bitwise_at_every_width(qt):
+    _check(qt, FAST_MS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_matmul_is_ggml_bitwise_every_m(qt):
+    _check(qt, tuple(range(1, 65)))
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_multirow_equals_vec_dot_path(qt, request):
+    raw = _weights(qt)[1]
+    x = _x(37, _cols(raw, qt), seed=2)
+    on = ggml.host_matmul(x, raw, qt, threads=2)
+    request.getfixturevalue("vec_dot_path")
+    assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=1), on)
+
+
+def test_grouped_experts_multirow_equals_vec_dot_path(request):
+    """Experts shared by many tokens (groups of 6+ rows run multi-row) against the vec_dot path."""
+    qtypes = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    gate, up, down = _experts(qtypes, e=4, d=512, f=256, seed=3)
+    x = _x(24, 512, seed=4)
+    ids = _ids(24, 3, 4, seed=1)  # 72 pairs over 4 experts
+    run = jax.jit(lambda x, ids: ggml.expert_rows(x, ids, gate, up, down, qtypes))
+    on = np.asarray(run(x, ids))
+    request.getfixturevalue("vec_dot_path")
+    assert_bitwise_equal(ggml.host_expert_rows(x, ids, gate, up, down, qtypes, "grouped"), on)
+    assert_bitwise_equal(ggml.host_expert_rows(x, ids, gate, up, down, qtypes, "per_token"), on)
+
+
+def test_load_says_once_when_multirow_is_off():
+    """A process started with the multi-row kernels off gets one line from sj.load naming why."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    code = ("import warnings, sharpi_jax as sj\nwith warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n    sj.load(kernels='ggml')\n"
+            "print([str(x.message) for x in w if 'multi-row' in str(x.message)])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "SHARPI_GGML_MULTIROW": "0"})
+    assert out.returncode == 0, out.stderr[-800:]
+    assert "SHARPI_GGML_MULTIROW=0" in out.stdout.splitlines()[-1]
+    assert ggml.multirow_unavailable_reason() is None  # this process: on
