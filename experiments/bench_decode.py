@@ -61,6 +61,8 @@ flags.DEFINE_integer("threads", 2, "llama.cpp threads of the prefill / decode ta
 flags.DEFINE_list("widths", [], "Also time one trunk pass of w rows (different tokens per row, as drafts) "
                   "against one decode step for these w, beside llama-bench -p w -n 0 on the same file "
                   "(e.g. 1,2,4,8,16; w = 1 is the decode step).")
+flags.DEFINE_bool("vec_dot_beside", False, "--widths: also time every pass with the multi-row kernels off (ggml's "
+                  "vec_dot per element, the same bits) in the same rounds.")
 flags.DEFINE_list("width_threads", ["2"], "Thread counts of the --widths table: ours runs with its process "
                   "bound to that many cores (sched_setaffinity), llama.cpp with -t.")
 flags.DEFINE_string("jsonl", None, "Also append one JSON line per model here.")
@@ -183,12 +185,21 @@ def bench_widths(models, engines, rows) -> list[dict]:
     out = []
     for t in (int(x) for x in FLAGS.width_threads):
         for (name, path, *_), engine, row in zip(models, engines, rows):
-            ours, llama = {w: [] for w in widths}, {w: [] for w in widths}
+            ours, llama, vd = ({w: [] for w in widths} for _ in range(3))
             dec, experts, err = [], {}, None
             for rnd in range(FLAGS.repeats):
                 os.sched_setaffinity(0, cores[:t])
                 try:
                     recs = pass_timing(engine, row["ids_for_widths"], widths, 3)
+                    if FLAGS.vec_dot_beside:
+                        from sharpi_jax.quant import ggml
+
+                        ggml.set_multirow(False)
+                        try:
+                            for r in pass_timing(engine, row["ids_for_widths"], widths, 3):
+                                vd[r["rows"]].append(r["chain_ms"])
+                        finally:
+                            ggml.set_multirow(True)
                 finally:
                     os.sched_setaffinity(0, cores)
                 for r in recs:
@@ -208,6 +219,9 @@ def bench_widths(models, engines, rows) -> list[dict]:
                        "experts_per_pass": experts[w]}
                 put_spread(rec, "pass_ms", ours[w])
                 rec["pass_over_decode"] = rec["pass_ms"] / float(np.median(ours[1]))
+                if vd[w]:
+                    put_spread(rec, "vec_dot_pass_ms", vd[w])
+                    rec["vec_dot_over_decode"] = rec["vec_dot_pass_ms"] / float(np.median(vd[1]))
                 if llama[w]:
                     put_spread(rec, "llama_ms", llama[w])
                     rec["llama_over_1"] = rec["llama_ms"] / float(np.median(llama[1]))
@@ -230,6 +244,9 @@ def print_widths(recs: list[dict]) -> None:
         ex = f"{r['experts_per_pass']:12.1f}" if r.get("experts_per_pass") is not None else f"{'-':>12s}"
         print(f"{r['model']:30s} {r['kernels']:>7s} {r['threads']:>3d} {r['rows']:>3d} "
               f"{fmt_spread(r['pass_ms_runs'], 24, 1)} {r['pass_over_decode']:10.2f} {ex} {lc}")
+        if "vec_dot_pass_ms" in r:
+            print(f"{'':30s} {'vec_dot':>7s} {'':>3s} {'':>3s} {fmt_spread(r['vec_dot_pass_ms_runs'], 24, 1)} "
+                  f"{r['vec_dot_over_decode']:10.2f}   (multi-row kernels off, same rounds)")
 
 
 def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:

@@ -51,6 +51,8 @@ flags.DEFINE_bool("pass_only", False, "Only the single-pass timing (--pass_width
 flags.DEFINE_list("draft_vocab", [], "Draft vocabulary sizes N: time one MTP draft step over the N best-ranked ids "
                   "against the full head, and (unless --draft_step_only) run the chain k with draft_vocab=N on the "
                   "device loop, acceptance beside the full head's.")
+flags.DEFINE_list("p_mins", [], "Adaptive chain length (draft_p_min) values: run the chain k with each on the "
+                  "device loop, beside the always-k chain (drafts per pass, tokens per pass, tok/s).")
 flags.DEFINE_bool("draft_step_only", False, "Only the draft-step timing of --draft_vocab (for big files).")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
@@ -145,6 +147,9 @@ def main(argv) -> int:
     dv_first = len(configs)
     configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_vocab=v)
                 for k in ks for v in vocabs]
+    pm_first = len(configs)
+    configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_p_min=float(p))
+                for k in ks for p in FLAGS.p_mins]
 
     def run(kw):
         return engine.generate(ids, max_new_tokens=n, stop_on_eos=False, **kw)
@@ -206,6 +211,8 @@ def main(argv) -> int:
         _tree_rows(path, trees, ks, results, tok_s, med, records)
     if vocabs:
         _draft_vocab_rows(path, ks, vocabs, configs, dv_first, results, tok_s, med, records)
+    if FLAGS.p_mins:
+        _p_min_rows(path, ks, configs, pm_first, results, tok_s, med, records)
     lc_off, lc_mtp = _llama_cpp(path, ids, prompt_text, ks, n)
     if lc_off is not None or lc_mtp:
         _print_llama_cpp(off_dev, rows, lc_off, lc_mtp)
@@ -284,7 +291,7 @@ def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]
     for r in range(FLAGS.repeats + 1):
         for i, vocab in enumerate(heads):
             t0 = time.perf_counter()
-            out, cache, _ = mtp.draft(cache, toks, dec.h_prev, hidden, len(ids) - 1, 1, 1, vocab)
+            out, cache = mtp.draft(cache, toks, dec.h_prev, hidden, len(ids) - 1, 1, 1, vocab)[:2]
             out.block_until_ready()
             if r:  # round 0 compiles
                 times[i].append(1e3 * (time.perf_counter() - t0))
@@ -300,6 +307,20 @@ def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]
     return recs
 
 
+def _chain_record(path: Path, k: int, outs, base, tok_s: list[float], records: list[dict], **extra) -> bool:
+    """Appends the record of a device-loop chain configuration's runs `outs`; returns whether every run gave
+    MTP off's tokens (`base`)."""
+    s = outs[0].stats
+    same = all(o.tokens == base.tokens for o in outs)
+    rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": "batched", "loop": "device",
+           **extra, "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+           **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted",
+                                      "accepted", "verify_passes", "generated_tokens")}}
+    put_spread(rec, "decode_tok_s", tok_s)
+    records.append(rec)
+    return same
+
+
 def _draft_vocab_rows(path: Path, ks, vocabs, configs, first, results, tok_s, med, records) -> None:
     """Chain k with each draft vocabulary on the device loop, beside the full head's device-loop row."""
     base = results[0][0]
@@ -309,18 +330,29 @@ def _draft_vocab_rows(path: Path, ks, vocabs, configs, first, results, tok_s, me
         k, v = configs[j]["draft_tokens"], configs[j]["draft_vocab"]
         full_i = 2 + 3 * ks.index(k) + 2  # the full head's device-loop chain row
         s, fs = results[j][0].stats, results[full_i][0].stats
-        same = all(o.tokens == base.tokens for o in results[j])
-        rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": "batched", "loop": "device",
-               "draft_vocab": v, "same_tokens_as_off": same, "repeats": FLAGS.repeats,
-               "full_acceptance_rate": fs["acceptance_rate"],
-               **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted",
-                                          "accepted", "verify_passes", "generated_tokens")}}
-        put_spread(rec, "decode_tok_s", tok_s[j])
-        records.append(rec)
+        same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_vocab=v,
+                             full_acceptance_rate=fs["acceptance_rate"])
         print(f"{k:>2} {v:>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>7.2f} {s['acceptance_rate']:>7.1%} "
               f"{fs['acceptance_rate']:>11.1%} {s['mean_accept_len']:>8.2f}  {'yes' if same else 'NO'}")
     print("draft_vocab rows: device loop; vs full: tok/s over the full head's device-loop chain at the same k; "
           "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
+
+
+def _p_min_rows(path: Path, ks, configs, first, results, tok_s, med, records) -> None:
+    """Chain k with an adaptive length (draft_p_min) on the device loop, beside the always-k device chain."""
+    base = results[0][0]
+    print(f"\n{'k':>2} {'p_min':>6} {'tok/s [min-max]':>24} {'vs k':>6} {'drafts/pass':>11} {'tok/pass':>8} "
+          f"{'accept':>7}  same tokens")
+    for j in range(first, len(configs)):
+        k, p = configs[j]["draft_tokens"], configs[j]["draft_p_min"]
+        full_i = 2 + 3 * ks.index(k) + 2  # the always-k device-loop chain row
+        s = results[j][0].stats
+        per_pass = s["drafted"] / max(1, s["verify_passes"])
+        same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_p_min=p, drafts_per_pass=per_pass)
+        print(f"{k:>2} {p:>6.2f} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>6.2f} {per_pass:>11.2f} "
+              f"{s['mean_accept_len']:>8.2f} {s['acceptance_rate']:>7.1%}  {'yes' if same else 'NO'}")
+    print("p_min rows: device loop; vs k: tok/s over the always-k chain at the same k; drafts/pass: drafts verified "
+          "per trunk pass (k at most).")
 
 
 def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> None:

@@ -47,6 +47,8 @@ flags.DEFINE_enum("verify", "batched", ["batched", "sequential"],
                   "MTP verify: one trunk pass over the k+1 rows, or one single-token step per row.")
 flags.DEFINE_enum("loop", "device", ["device", "host"], "device: the decode loop runs as one jitted program on "
                   "the device; host: one jitted call per step / pass from Python (the sequential reference).")
+flags.DEFINE_float("draft_p_min", 0.0, "mtp: stop a pass's chain before the first draft the MTP head gives a "
+                   "probability below this (llama.cpp's --draft-p-min; 0: always --draft_tokens drafts).")
 flags.DEFINE_integer("draft_vocab", None, "mtp: the chain drafts over the N best-ranked token ids only (the file's "
                      "calibrated ranking, else id order); verification uses the full head, so the tokens are "
                      "unchanged.")
@@ -168,6 +170,7 @@ def _options():
     return GenerateOptions(
         max_new_tokens=FLAGS.max_new_tokens, stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
         draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify, loop=FLAGS.loop, draft_vocab=FLAGS.draft_vocab,
+        draft_p_min=FLAGS.draft_p_min,
         tree_nodes=FLAGS.tree_nodes if tree else None, max_snapshot_bytes=FLAGS.max_snapshot_bytes if tree else None,
         sampling=SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
                                 min_p=FLAGS.min_p, seed=FLAGS.seed))
@@ -209,10 +212,11 @@ def _compare(engine, opts):
     8 nodes) as a third mode."""
     from experiments.timing import interleaved, put_spread
 
-    modes = [dataclasses.replace(opts, speculative=None, draft_vocab=None), opts]
+    modes = [dataclasses.replace(opts, speculative=None, draft_vocab=None, draft_p_min=0.0), opts]
     tree = opts.speculative == "mtp" and FLAGS.compare_tree
     if tree:
-        modes.append(dataclasses.replace(opts, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes, draft_vocab=None))
+        modes.append(dataclasses.replace(opts, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes, draft_vocab=None,
+                                         draft_p_min=0.0))
     quiet = FLAGS.json
 
     def run(o):

@@ -94,12 +94,10 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
 
 def release_compiled_code() -> None:
     """Free what dropped engines still hold: JAX's compiled executables and the runtime's per-graph
-    step-function caches (`runtime.compiled.clear_caches` and streaming's: `functools.lru_cache`s keyed on
-    the model graph, which keep each engine's graph, and with it ~1 GiB of a 35B-shaped slice, alive after
-    the engine is gone). For loops that load many engines one after another (bench_residency, sweeps);
-    call after `del engine`."""
+    step-function caches (`runtime.compiled.clear_caches`). An engine closed with `Engine.close()` (or a
+    `with` block) already released its own; this also covers engines merely deleted. For loops that load
+    many engines one after another (bench_residency, sweeps); call after `del engine`."""
     import gc
-    import importlib
 
     import jax
 
@@ -108,12 +106,5 @@ def release_compiled_code() -> None:
     gc.collect()
     jax.clear_caches()
     compiled.clear_caches()  # the runtime's per-graph step functions (trunk, MTP head, tree drafter)
-    for module, name in (("sharpi_jax.experts.streaming", "_host_fn"),):
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue  # renamed by a refactor: nothing to clear here
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
     gc.collect()
 

@@ -66,12 +66,15 @@ def _kv_policy(kv_policy: Any, kv_budget: Any, kv_window: Any, kv_pool: Any, bas
 
 def _say_if_ggml_missing(asked: str, resolved: str) -> None:
     """kernels="auto" on CPU without ggml's native extension runs "xla", and says why once, with the
-    fix ("ggml" asked by name raises that line instead: `registry.resolve_kernels`)."""
+    fix ("ggml" asked by name raises that line instead: `registry.resolve_kernels`); ggml without its
+    multi-row kernels (no AVX2) says so too."""
     from sharpi_jax.quant import ggml  # pylint: disable=import-outside-toplevel
 
     if asked == "auto" and resolved != "ggml" and jax.default_backend() == "cpu" and not ggml.available():
         warnings.warn(f"ggml CPU kernels unavailable, running kernels={resolved!r} (slower): "
                       f"{ggml.unavailable_reason()}", stacklevel=3)
+    elif resolved == "ggml" and ggml.available() and (why := ggml.multirow_unavailable_reason()):
+        warnings.warn(why, stacklevel=3)  # Python shows a warning once per call site
 
 
 def _warn_fallbacks(backends: dict[str, dict], selected: str, path: str) -> None:
@@ -135,10 +138,55 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        return self.runtime.max_context
+        return self._live().runtime.max_context
+
+    # ----- lifetime -----
+    def _live(self) -> "Engine":
+        if getattr(self, "runtime", None) is None:
+            raise InputError(f"engine of {getattr(self, 'path', '?')} is closed (or failed to load)")
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "runtime", None) is None
+
+    def close(self) -> None:
+        """Release the engine: its compiled programs (those no other live engine shares), device arrays,
+        expert staging buffers and the file's mmap. Idempotent; any later use raises an InputError.
+        `with sj.load(...) as engine:` closes on exit, and a collected engine closes itself."""
+        mtp, runtime, residency = getattr(self, "_mtp", None), getattr(self, "runtime", None), \
+            getattr(self, "residency", None)
+        self._mtp = self.runtime = None
+        self.model = self.experts = self.residency = None
+        if mtp is not None:
+            mtp.close()
+        if runtime is not None:
+            runtime.close()
+        if residency is not None:
+            residency.streamer.close()
+        gguf = getattr(self, "gguf", None)
+        if gguf is not None:
+            import gc  # pylint: disable=import-outside-toplevel
+
+            gc.collect()  # views of the mmap held in reference cycles go before the mapping closes
+            gguf.close()
+
+    def __enter__(self) -> "Engine":
+        return self._live()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: modules may already be gone
+            pass
 
     def __repr__(self) -> str:
         c = self.config
+        if self.closed:
+            return f"Engine({self.path!r}, arch={c.arch}, closed)"
         return (f"Engine({self.path!r}, arch={c.arch}, layers={c.n_layer}+{c.n_nextn} MTP, d_model={c.d_model}, "
                 f"max_context={self.max_context})")
 
@@ -198,7 +246,7 @@ class Engine:
     def forward(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Teacher-forced (logits [T, vocab], final-normed hidden [T, D]), float32, chunked prefill."""
         ids = self.check_ids(ids)
-        rt = self.runtime
+        rt = self._live().runtime
         chunks, _, _ = rt.prefill(rt.new_state(), ids)
         logits = rt.chunk_logits(chunks)
         hidden = np.concatenate([np.asarray(h)[:n] for h, n in chunks])
@@ -211,7 +259,7 @@ class Engine:
     @property
     def mtp(self) -> MTPRuntime:
         """The MTP head's runtime, loaded on first use (it shares the trunk's embedding and LM head)."""
-        if self._mtp is None:
+        if self._live()._mtp is None:
             if not self.config.has_mtp:
                 raise InputError(f"{self.path}: the model has no MTP head (nextn_predict_layers = 0)")
             head = load_mtp(self.gguf, self.config, self.model, self.experts, run=self.run_config)
@@ -236,7 +284,7 @@ class Engine:
     def expert_stats(self, since: dict | None = None) -> dict:
         """Expert residency stats (hit rate per layer, bytes streamed per token, callback time,
         evictions) since `since` (a `expert_counters()` snapshot) or since load. {} without a budget."""
-        if self.residency is None:
+        if self._live().residency is None:
             return {}
         res = self.residency
         now = res.counters(self.runtime)
@@ -244,7 +292,7 @@ class Engine:
 
     def expert_counters(self) -> dict | None:
         """A snapshot of the cumulative residency counters (pass it to `expert_stats`)."""
-        return None if self.residency is None else self.residency.counters(self.runtime)
+        return None if self._live().residency is None else self.residency.counters(self.runtime)
 
     def calibrate_experts(self, prompts: Sequence[Any], save: bool | str = True) -> dict[int, list[int]]:
         """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
@@ -265,7 +313,8 @@ class Engine:
                  speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
                  tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
                  kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None, *,
+                 kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None,
+                 draft_p_min: float = 0.0, *,
                  messages: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
@@ -310,11 +359,16 @@ class Engine:
         ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
         uses the full head, so the tokens are unchanged. out.stats["draft_vocab"] = N and
         out.stats["draft_vocab_ranking"] = the ranking's file (or the fallback's name).
+
+        draft_p_min=p (speculative="mtp", 0 <= p < 1): an adaptive chain length, as llama.cpp's
+        --draft-p-min: a pass stops drafting before the first draft whose probability under the MTP head
+        (its softmax over the vocabulary it drafts from) is below p, and verifies only the drafts made
+        (fewer rows: the rows left out read no expert). Verification is unchanged, so the tokens are too.
         """
         opts = GenerateOptions(
             max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, speculative=speculative,
             draft_tokens=draft_tokens, verify=verify, tree_nodes=tree_nodes, max_snapshot_bytes=max_snapshot_bytes,
-            loop=loop, draft_vocab=draft_vocab,
+            loop=loop, draft_vocab=draft_vocab, draft_p_min=draft_p_min,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
         return self.generate_with(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs),
@@ -325,6 +379,7 @@ class Engine:
         eviction policy resolved (None: none)."""
         if not isinstance(opts, GenerateOptions):
             raise InputError(f"options must be a GenerateOptions, got {type(opts).__name__}")
+        self._live()
         mtp = self.mtp if opts.speculative is not None else None
         vocab = mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
         ids = self._prompt_ids(ids_or_text)
@@ -364,6 +419,9 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     device (`sharpi_jax.experts.parallel`). Not with an expert_budget or kernels="pallas" yet.
     kv_policy (None | "snapkv"), kv_budget, kv_window, kv_pool: the default KV eviction of
     `Engine.generate`.
+
+    `engine.close()` (or `with sj.load(...) as engine:`, or dropping the last reference) releases the
+    engine's compiled programs, device arrays and mmap.
     """
     if path is None:
         from sharpi_jax.assets import default_model_path

@@ -23,6 +23,49 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        "draft_p_min_device_verifies_uncut_chain",
+        "draft_p_min: a pass verifies only the drafts made; device loop == host loop pass for pass",
+        "sharpi_jax/runtime/device_loop.py",
+        (("            n_draft = jnp.minimum(n_draft, n_made)  # draft_p_min may stop the chain early\n",
+          "            del n_made  # MUTATION: the cut chain verified at full length\n"),),
+        ("tests/runtime/test_draft_p_min.py::test_lossless_and_loops_agree",),
+    ),
+    Mutation(
+        "draft_p_min_keeps_low_probability_draft",
+        "draft_p_min: drafting stops before the first draft below p_min",
+        "sharpi_jax/runtime/mtp.py",
+        (("            return tok, p_top >= p_min\n",
+          "            return tok, p_top >= p_min / 2  # MUTATION: a looser threshold\n"),),
+        ("tests/runtime/test_draft_p_min.py::test_first_draft_against_the_heads_probability",),
+    ),
+    Mutation(
+        "multirow_wrong_subblock_scale",
+        "ggml backend: multi-row K-quant products give ggml's vec_dot bits",
+        "csrc/multirow.cc",
+        (("  for (int c = 0; c < 8; ++c) b.sc[c] = spread16(scales, c);\n",
+          "  for (int c = 0; c < 8; ++c) b.sc[c] = spread16(scales, c == 5 ? 4 : c);  // MUTATION: sub-block 5\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
+    ),
+    Mutation(
+        "multirow_neighbour_row",
+        "ggml backend: a row's bits depend only on its own activation row (row-stable)",
+        "csrc/multirow.cc",
+        (("        rs.out[r0 + r][n] = hsum8(acc[r]) + tail;\n",
+          "        rs.out[r0 + r][n] = hsum8(acc[r == nr - 1 && r > 0 ? r - 1 : r]) + tail;  // MUTATION\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
+    ),
+    Mutation(
+        "multirow_partial_row_block_skipped",
+        "ggml backend: multi-row K-quant products give ggml's vec_dot bits",
+        "csrc/multirow.cc",
+        (("      for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = _mm256_setzero_ps();\n"
+          "      for (int64_t i = 0; i < nb; ++i) {\n        const uint8_t* blk = wr + i * kQ6K;\n",
+          "      if (nr < kRowBlock) continue;  // MUTATION: the last partial block of rows skipped\n"
+          "      for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = _mm256_setzero_ps();\n"
+          "      for (int64_t i = 0; i < nb; ++i) {\n        const uint8_t* blk = wr + i * kQ6K;\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
+    ),
+    Mutation(
         "snapkv_rope_slot",
         "SnapKV: RoPE and masks use logical positions on a compacted cache",
         "sharpi_jax/model/attention.py",
@@ -328,8 +371,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "draft_vocab_argmax_unmapped",
         "draft_vocab=N: the draft is the subset's argmax mapped back to its token id",
         "sharpi_jax/runtime/draft_vocab.py",
-        (("        return self.ids[jnp.argmax(logits[0])].astype(jnp.int32)\n",
-          "        return jnp.argmax(logits[0]).astype(jnp.int32)  # MUTATION: the subset index as a token id\n"),),
+        (("        return self.ids[jnp.argmax(logits)].astype(jnp.int32)\n",
+          "        return jnp.argmax(logits).astype(jnp.int32)  # MUTATION: the subset index as a token id\n"),),
         ("tests/runtime/test_draft_vocab.py::test_subset_head_is_the_full_head_restricted",),
     ),
     Mutation(
@@ -341,6 +384,69 @@ MUTATIONS: tuple[Mutation, ...] = (
           "        acc = acc + w_refs[j][...] * y_refs[j][...]\n"),),
         ("tests/pallas_kernels/test_weighted_reduce.py", "-k", "test_kernel_interpret_equals_reference_bitwise"),
         ("tests/pallas_kernels/", "tests/experts/test_dispatch.py::test_pallas_mode_interpret"),
+    ),
+    Mutation(
+        "chat_range_limit_removed",
+        "chat templates are bounded: a range over max_range items is one error naming that limit",
+        "sharpi_jax/gguf/chat.py",
+        (("    if n > lim.max_range:\n", "    if False:  # MUTATION: the range limit check removed\n"),),
+        ("tests/gguf/test_chat_limits.py", "-k", "huge_range or tight_limits"),
+    ),
+    Mutation(
+        "chat_output_limit_removed",
+        "chat templates are bounded: the text a template emits (captured blocks, macro bodies) is capped",
+        "sharpi_jax/gguf/chat.py",
+        (("            if r.emitted > lim.max_output:\n",
+          "            if False:  # MUTATION: the emitted-text limit check removed\n"),),
+        ("tests/gguf/test_chat_limits.py", "-k", "captured_block or macro_body or tight_limits"),
+    ),
+    Mutation(
+        "chat_tojson_ascii",
+        "chat templates render as transformers: tojson keeps non-ASCII text",
+        "sharpi_jax/gguf/chat.py",
+        (("def _tojson(x: Any, ensure_ascii: bool = False,", "def _tojson(x: Any, ensure_ascii: bool = True,"),),
+        ("tests/gguf/test_chat_limits.py", "-k", "tojson"),
+    ),
+    Mutation(
+        "compiled_cache_kept_on_close",
+        "a closed engine releases its compiled code: the graph's jitted functions go with its last holder",
+        "sharpi_jax/runtime/compiled.py",
+        (("        ns = cache.pop(graph, None)\n", "        ns = cache.get(graph)  # MUTATION: cache not cleared on close\n"),),
+        ("tests/runtime/test_compiled.py", "-k", "hold_release"),
+        ("tests/test_engine_lifetime.py",),
+    ),
+    Mutation(
+        "derived_loop_cache_kept_on_close",
+        "a closed engine releases its compiled code: the device loops built from its steps go too",
+        "sharpi_jax/runtime/compiled.py",
+        (("        for key in [k for k in cache if any(id(f) in dropped for f in k)]:\n",
+          "        for key in []:  # MUTATION: cache not cleared on close\n"),),
+        ("tests/runtime/test_compiled.py", "-k", "hold_release"),
+        ("tests/test_engine_lifetime.py",),
+    ),
+    Mutation(
+        "top_p_ignores_top_k",
+        "top-p keeps the shortest prefix of the top-k (renormalized) distribution reaching top_p",
+        "sharpi_jax/runtime/sampling.py",
+        (("    p = jax.nn.softmax(jnp.where(jnp.arange(V) < k, desc, -jnp.inf))\n",
+          "    p = jax.nn.softmax(desc)  # MUTATION: the mass of the whole vocabulary\n"),),
+        ("tests/runtime/test_sampling_reference.py",),
+    ),
+    Mutation(
+        "ring_evicts_most_recent",
+        "residency rings evict the least recently used unused slot, probation before protected",
+        "sharpi_jax/experts/residency/policies.py",
+        (("        return ring[jnp.lexsort((stamp_r, prot_r, used_r))[:n]]",
+          "        return ring[jnp.lexsort((-stamp_r, prot_r, used_r))[:n]]  # MUTATION: most recent first\n"
+          "        #"),),
+        ("tests/experts/test_policy_reference.py", "-k", "step_by_step and lru-0"),
+    ),
+    Mutation(
+        "slru_demotes_newest",
+        "SLRU: beyond the protected cap, the least recently used protected slots drop back to probation",
+        "sharpi_jax/experts/residency/policies.py",
+        (("    order = jnp.lexsort((stamp, ~cand))\n", "    order = jnp.lexsort((-stamp, ~cand))  # MUTATION\n"),),
+        ("tests/experts/test_policy_reference.py", "-k", "slru"),
     ),
 )
 

@@ -76,21 +76,19 @@ def _next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-_HOST_FNS: dict = {}
-
-
-def _host_fn(fmt, row_kernel: str):
+def _host_fn(fns: dict, fmt, row_kernel: str):
     """Jitted host computation: rows x [P, D] through local experts (raw GGUF bytes, laid out inside by
-    the layer's `provider.ExpertFormat` `fmt`) -> [P, D]."""
+    the layer's `provider.ExpertFormat` `fmt`) -> [P, D]; kept in `fns` (the engine's `Streamer`'s, so
+    the compiled code goes with the engine)."""
     key = (fmt.fmt, fmt.backend, fmt.qtypes, fmt.d_model, fmt.d_ff, row_kernel)
-    if key not in _HOST_FNS:
+    if key not in fns:
         def fn(x, lsel, rg, ru, rd):
             experts = tuple(fmt.pack(r, m) for r, m in zip((rg, ru, rd), MATRICES))
             y, _ = dispatch.expert_rows(x, lsel, experts, "grouped", row_kernel)
             return y[:, 0]
 
-        _HOST_FNS[key] = jax.jit(fn)
-    return _HOST_FNS[key]
+        fns[key] = jax.jit(fn)
+    return fns[key]
 
 
 class LayerSource:
@@ -136,7 +134,14 @@ class Streamer:
                 self._likely[i] = np.asarray(order[: self.prefetch_experts], np.int64)
         self.staging_kind = staging_memory_kind()
         self.formats: dict = {}  # layer -> its provider.ExpertFormat (set when the layer's module is built)
+        self.host_fns: dict = {}  # the jitted host computations by expert format (`_host_fn`)
         self.reset_stats()
+
+    def close(self) -> None:
+        """Drop the mmap views, staging buffers and jitted host computations (the engine is closing)."""
+        with self._lock:
+            self.sources, self._staging, self._ahead, self._last_miss = {}, {}, {}, {}
+            self.host_fns, self.gguf = {}, None
 
     # ----- counters -----
     def reset_stats(self) -> None:
@@ -244,7 +249,7 @@ class Streamer:
             r = np.zeros((n_loc,) + view.shape[1:], np.uint8)
             r[: hosted.size] = view[hosted]
             raws.append(r)
-        fn = _host_fn(self.formats[src.layer], row_kernel)
+        fn = _host_fn(self.host_fns, self.formats[src.layer], row_kernel)
         with jax.default_device(jax.devices("cpu")[0]):
             out = np.asarray(fn(x, lsel, *raws))
         y[rows, ranks] = out[:n_pairs]

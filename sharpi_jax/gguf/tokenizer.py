@@ -112,6 +112,7 @@ class Tokenizer:
         self.pre, self.model = pre, model
         self._eos_id, self._bos_id, self._pad_id, self.add_bos = eos_id, bos_id, pad_id, add_bos
         self.chat_template: str | None = None  # the GGUF's tokenizer.chat_template (Jinja), if any
+        self.source: str | None = None  # the file the tokenizer was read from (named in errors)
 
     # ----- construction -----
 
@@ -193,6 +194,7 @@ class Tokenizer:
             if template is not None and not isinstance(template, str):
                 raise GGUFError(f"{chat.CHAT_TEMPLATE_KEY} must be a string, got {type(template).__name__}")
             tok.chat_template = template
+            tok.source = source
             return tok
         except GGUFError as e:
             if where and not str(e).startswith(where):
@@ -288,8 +290,9 @@ class Tokenizer:
             raise InputError("this GGUF has no tokenizer.chat_template: pass chat_template=TEXT")
         special = {k: self.id_to_token(i) for k, i in (("bos_token", self._bos_id), ("eos_token", self._eos_id),
                                                         ("pad_token", self._pad_id)) if i is not None}
-        text = chat.render(source, messages, add_generation_prompt=add_generation_prompt,
-                           special_tokens=special, **kwargs)
+        name = chat.CHAT_TEMPLATE_KEY + (f" of {self.source}" if self.source else "")
+        text = chat.render(source, messages, add_generation_prompt=add_generation_prompt, special_tokens=special,
+                           template_name=name if chat_template is None else "chat_template=TEXT", **kwargs)
         return self.encode(text, parse_special=True) if tokenize else text
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:

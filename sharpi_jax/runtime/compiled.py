@@ -5,7 +5,9 @@ structure of its params and of its mutable cache) plus its params and cache as f
 flattening an nnx.State on every call costs ~0.1-0.3 ms, a tuple almost nothing. Step functions take
 (params, cache, ...) and rebuild the module inside the trace (`Graph.merge`); `jit_factory` jits a
 family of them once per graph (graphs of the same architecture and quant layout share the compiled
-functions) and `clear_caches` drops every family's (for loops that load many engines).
+functions). Runtimes `hold` their graph and `release` it when closed: after the last holder the
+graph's functions and the programs `derived_cache` built from them are dropped; `clear_caches` drops
+every family's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-_FACTORIES: list = []  # every jit_factory's per-graph cache (`clear_caches`)
+_FACTORIES: list = []  # every jit_factory's and derived_cache's getter (`clear_caches`)
+_GRAPH_CACHES: list = []  # each jit_factory's {graph: functions}
+_DERIVED: list = []  # each derived_cache's forget(dropped function ids)
+_HOLDERS: dict = {}  # graph -> live holders (`hold` / `release`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +58,73 @@ def split(module: nnx.Module, cache: Any = None) -> tuple[Graph, tuple, tuple]:
 
 def jit_factory(build: Callable[[Graph], dict[str, tuple[Callable, dict]]]) -> Callable[[Graph], SimpleNamespace]:
     """build(graph) -> {name: (step function, `jax.jit` options)}. Returns fns(graph) -> a SimpleNamespace
-    of the jitted functions by name, built once per graph and kept."""
+    of the jitted functions by name, built once per graph and kept until the graph is `release`d by its
+    last holder (or `clear_caches`)."""
+    cache: dict[Graph, SimpleNamespace] = {}
 
-    @functools.lru_cache(maxsize=None)
     def fns(graph: Graph) -> SimpleNamespace:
-        return SimpleNamespace(**{name: jax.jit(f, **opts) for name, (f, opts) in build(graph).items()})
+        ns = cache.get(graph)
+        if ns is None:
+            ns = cache[graph] = SimpleNamespace(**{name: jax.jit(f, **opts) for name, (f, opts) in build(graph).items()})
+        return ns
 
     functools.update_wrapper(fns, build)
+    fns.cache = cache
+    fns.cache_clear = cache.clear
     _FACTORIES.append(fns)
+    _GRAPH_CACHES.append(cache)
     return fns
+
+
+def derived_cache(build: Callable[..., Any]) -> Callable[..., Any]:
+    """build(*jitted step functions) -> a program built from them (e.g. a jitted loop nesting them), kept
+    per argument tuple and dropped with the graph whose factory made any of the functions."""
+    cache: dict[tuple, Any] = {}
+
+    def get(*fns: Any) -> Any:
+        out = cache.get(fns)
+        if out is None:
+            out = cache[fns] = build(*fns)
+        return out
+
+    def forget(dropped: set[int]) -> None:
+        for key in [k for k in cache if any(id(f) in dropped for f in k)]:
+            del cache[key]
+
+    functools.update_wrapper(get, build)
+    get.cache = cache
+    get.cache_clear = cache.clear
+    _DERIVED.append(forget)
+    _FACTORIES.append(get)
+    return get
+
+
+def hold(graph: Graph) -> None:
+    """Count one more holder (a runtime) of graph's compiled functions."""
+    _HOLDERS[graph] = _HOLDERS.get(graph, 0) + 1
+
+
+def release(graph: Graph) -> None:
+    """One holder of graph is done; after the last, every factory's functions of the graph, and the
+    programs derived from them, are dropped (with them their compiled code and what their traces keep)."""
+    n = _HOLDERS.get(graph, 0) - 1
+    if n > 0:
+        _HOLDERS[graph] = n
+        return
+    _HOLDERS.pop(graph, None)
+    dropped: set[int] = set()
+    for cache in _GRAPH_CACHES:
+        ns = cache.pop(graph, None)
+        if ns is not None:
+            dropped.update(id(f) for f in vars(ns).values())
+    if dropped:
+        for forget in _DERIVED:
+            forget(dropped)
+
+
+def held() -> dict[Graph, int]:
+    """Graphs with live holders and how many (a copy)."""
+    return dict(_HOLDERS)
 
 
 def clear_caches() -> None:

@@ -132,6 +132,8 @@ class Decoder:
         toks[:n_valid] = self._pend + [t]
         draft = self._draft(toks, self._pend_start - self.mtp_offset, n_valid, depth, n_nodes)
         self.cache = draft.cache
+        if draft.n is not None:  # a chain stopped early (draft_p_min): verify the drafts made
+            depth = min(depth, int(draft.n))
         t1 = time.perf_counter()
         verify = self._verify_batched if self.verify == "batched" else self._verify_sequential
         v = verify(draft.drafts, depth, sampling, index)

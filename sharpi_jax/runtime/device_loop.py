@@ -16,7 +16,6 @@ of max_context and, on a SnapKV-compacted cache, of its slots (as `decoder.Decod
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Collection, Sequence
 
@@ -26,6 +25,7 @@ import numpy as np
 
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction, tree_device
+from sharpi_jax.runtime.compiled import derived_cache
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.sampling import SamplingParams, argmax, draw, traced_params
@@ -64,7 +64,7 @@ def _stop_code(tok, eos, n_out, max_new):
     return jnp.where(jnp.any(tok == eos), 1, jnp.where(n_out == max_new, 2, 0)).astype(jnp.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@derived_cache
 def _plain_fn(decode):
     """The jitted decode loop over one model graph's `decode` step."""
 
@@ -117,12 +117,12 @@ def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens:
                                "loop": "device"})
 
 
-@functools.lru_cache(maxsize=None)
+@derived_cache
 def _chain_fn(commit_verify, draft):
     """The jitted MTP chain loop over one model graph's `commit_verify` and one head's `draft`."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, mtp_off, k, max_new, max_context,
-            slot_room, eos, sampling, out, vocab, K, greedy):
+            slot_room, eos, sampling, out, vocab, p_min, K, greedy):
         pick = _picker(greedy, sampling)
         D = h_last.shape[0]
         tok = pick(logits, jnp.int32(0))
@@ -144,8 +144,10 @@ def _chain_fn(commit_verify, draft):
             # MTP catch-up rows (the previous pass's certain token and accepted drafts), then t.
             toks = jnp.concatenate([jnp.where(rows < c["n_pend"], c["vt"], 0), jnp.zeros((1,), jnp.int32)])
             toks = toks.at[c["n_pend"]].set(c["t"])
-            vtokens, mtp_cache, h_t = draft(mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"],
-                                            c["pend_start"] - mtp_off, c["n_pend"] + 1, jnp.maximum(n_draft, 1), vocab)
+            vtokens, mtp_cache, h_t, n_made = draft(mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"],
+                                                    c["pend_start"] - mtp_off, c["n_pend"] + 1,
+                                                    jnp.maximum(n_draft, 1), vocab, p_min)
+            n_draft = jnp.minimum(n_draft, n_made)  # draft_p_min may stop the chain early
             v, cache = commit_verify(params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
             logits, greedy_rows, hidden, state, snaps = v
             if greedy:
@@ -186,13 +188,13 @@ def _chain_fn(commit_verify, draft):
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                         sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                         kv: SnapKV | None = None, mtp_kv: str = "snapkv", zero_h_first: bool = False,
-                        vocab: DraftVocab | None = None) -> Generation:
+                        vocab: DraftVocab | None = None, p_min: float | None = None) -> Generation:
     """`speculative.generate_mtp` with batched verify (same arguments, tokens and stats except draft_s /
     verify_s, which one device program cannot split; plus loop="device") with every pass on the device."""
     t0 = time.perf_counter()
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
     dec = MTPDecoder(runtime, mtp, draft_tokens, "batched", zero_h_first=zero_h_first, kv=kv, kv_capacity=capacity,
-                     mtp_kv=mtp_kv, vocab=vocab)
+                     mtp_kv=mtp_kv, vocab=vocab, p_min=p_min)
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     K, P = dec.K, dec.P
@@ -205,7 +207,8 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(dec.mtp_offset), np.int32(dec.k), np.int32(max_new_tokens),
             np.int32(runtime.max_context), np.int32(slot_room), _eos_array(stop_ids), traced_params(sampling),
-            np.zeros(out_slots(max_new_tokens, K), np.int32), vocab, K=K, greedy=sampling.greedy)
+            np.zeros(out_slots(max_new_tokens, K), np.int32), vocab, None if p_min is None else np.float32(p_min),
+            K=K, greedy=sampling.greedy)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
         tokens, stop, P = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)], int(P)
     t2 = time.perf_counter()
@@ -215,6 +218,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         "draft_tokens": dec.k,
         "verify": "batched",
         "draft_vocab": None if vocab is None else vocab.size,
+        "draft_p_min": p_min,
         **pass_stats(dec.k, counts, "accept_per_position"),
         **kv_eviction.kv_stats(dec.evicted, P, runtime.max_context),
         "loop": "device",
@@ -223,7 +227,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
 
 
 
-@functools.lru_cache(maxsize=None)
+@derived_cache
 def _tree_fn(tree_commit_verify, root, level):
     """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls."""
 

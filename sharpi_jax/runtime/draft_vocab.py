@@ -141,12 +141,18 @@ class DraftVocab:
     def size(self) -> int:
         return int(self.ids.shape[0])
 
-    def greedy(self, h2: jax.Array) -> jax.Array:
-        """The draft token of row 0 of a 2-row bucket h2 [2, D]: argmax over the subset's logits
-        (the lowest id on ties, as the full head's argmax)."""
+    def logits(self, h2: jax.Array) -> jax.Array:
+        """The subset's logits [N] of row 0 of a 2-row bucket h2 [2, D] (in `ids` order)."""
         ys = [matmul(h2, p, rows=1) for p in self.parts]  # row 1 is padding
-        logits = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
-        return self.ids[jnp.argmax(logits[0])].astype(jnp.int32)
+        return (ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1))[0]
+
+    def token(self, logits: jax.Array) -> jax.Array:
+        """The token id of the subset's argmax (the lowest id on ties, as the full head's argmax)."""
+        return self.ids[jnp.argmax(logits)].astype(jnp.int32)
+
+    def greedy(self, h2: jax.Array) -> jax.Array:
+        """The draft token of row 0 of a 2-row bucket h2 [2, D]: argmax over the subset's logits."""
+        return self.token(self.logits(h2))
 
 
 def build(head_parts: Sequence[QTensor], rank: np.ndarray, n: int) -> DraftVocab:

@@ -26,9 +26,10 @@ LOOPS: dict[tuple[str | None, bool], Loop] = {
     (None, False): lambda rt, mtp, ids, o, stop, kv, vocab: generate_ids(
         rt, ids, o.max_new_tokens, o.sampling, stop, kv),
     ("mtp", True): lambda rt, mtp, ids, o, stop, kv, vocab: generate_mtp_device(
-        rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, kv=kv, vocab=vocab),
+        rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, kv=kv, vocab=vocab, p_min=o.p_min),
     ("mtp", False): lambda rt, mtp, ids, o, stop, kv, vocab: generate_mtp(
-        rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, o.verify, kv=kv, vocab=vocab),
+        rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, o.verify, kv=kv, vocab=vocab,
+        p_min=o.p_min),
     ("mtp_tree", True): lambda rt, mtp, ids, o, stop, kv, vocab: generate_tree_device(
         rt, mtp, ids, o.max_new_tokens, o.sampling, stop, o.draft_tokens, o.nodes,
         max_snapshot_bytes=o.max_snapshot_bytes, kv=kv),

@@ -22,7 +22,7 @@ import numpy as np
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.runtime import draft_vocab
-from sharpi_jax.runtime.compiled import Graph, jit_factory, split
+from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, release, split
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.state import MTPCache, init_mtp_cache
 from sharpi_jax.runtime.steps import Runtime
@@ -53,6 +53,7 @@ class Draft(NamedTuple):
     drafts: Any
     cache: MTPCache
     h: jax.Array
+    n: Any = None  # chain: the drafts made (int32 device scalar; fewer than asked when draft_p_min stopped it)
 
 
 @jit_factory
@@ -64,33 +65,45 @@ def _mtp_fns(graph: Graph) -> dict:
         hp, cache, *q = merge(params)(tokens, hs, start, n_valid, cache, with_q=with_q)
         return MTPRows(hp, cache, tuple(q))
 
-    def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft, vocab=None):
+    def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft, vocab=None, p_min=None):
         mtp = merge(params)
         W = tokens.shape[0]
         hs = jnp.concatenate([h_prev[None], hidden])[:W]
         hp, cache = mtp(tokens, hs, start, n_valid, cache)
         last = n_valid - 1  # the row of the certain token t
 
-        def greedy(h):  # a 2-row bucket: the row-stable kernel; vocab: a `draft_vocab.DraftVocab`
-            if vocab is not None:
-                return vocab.greedy(jnp.stack([h, h]))
-            return jnp.argmax(mtp.logits(jnp.stack([h, h]), 1)[0]).astype(jnp.int32)
+        def greedy(h):
+            """(draft token, whether drafting goes on): a 2-row bucket, the row-stable kernel; vocab: a
+            `draft_vocab.DraftVocab`. With p_min, drafting stops at the first draft whose probability under
+            the head (its softmax, over the vocabulary it drafts from) is below p_min; that draft is dropped."""
+            h2 = jnp.stack([h, h])
+            logits = vocab.logits(h2) if vocab is not None else mtp.logits(h2, 1)[0]
+            tok = vocab.token(logits) if vocab is not None else jnp.argmax(logits).astype(jnp.int32)
+            if p_min is None:
+                return tok, jnp.bool_(True)
+            p_top = 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits)))
+            return tok, p_top >= p_min
 
         h = jax.lax.dynamic_index_in_dim(hp, last, keepdims=False)
-        d = greedy(h)
+        d, keep = greedy(h)
         drafts = jnp.zeros((W - 2,), jnp.int32).at[0].set(d)
         pos0 = start + last
 
-        def step(i, carry):
-            cache, tok, h, drafts = carry
+        def step(c):
+            i, cache, tok, h, drafts, n = c
             hp, cache = mtp(jnp.stack([tok, tok]), jnp.stack([h, h]), pos0 + i, jnp.int32(1), cache)
-            tok = greedy(hp[0])
-            return cache, tok, hp[0], drafts.at[i].set(tok)
+            tok, keep = greedy(hp[0])
+            return i + 1, cache, tok, hp[0], drafts.at[i].set(tok), n + keep.astype(jnp.int32)
 
-        cache, _, _, drafts = jax.lax.fori_loop(1, n_draft, step, (cache, d, h, drafts))
+        # Draft i while every earlier draft was kept (n == i); n counts the kept drafts.
+        _, cache, _, _, drafts, n = jax.lax.while_loop(
+            lambda c: (c[0] < n_draft) & (c[5] == c[0]), step,
+            (jnp.int32(1), cache, d, h, drafts, keep.astype(jnp.int32)))
+        n = jnp.minimum(n, n_draft)
+        drafts = jnp.where(jnp.arange(W - 2) < n, drafts, 0)
         t = jax.lax.dynamic_index_in_dim(tokens, last, keepdims=False)
         h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
-        return Draft(jnp.concatenate([t[None], drafts]), cache, h_t)
+        return Draft(jnp.concatenate([t[None], drafts]), cache, h_t, n)
 
     def logits(params, h):
         return merge(params).logits(h)
@@ -122,6 +135,16 @@ class MTPRuntime:
         self._head_parts = head.lm_head.parts()
         self._vocabs: dict[tuple, DraftVocab] = {}
         self.path: str | None = None  # the model file (a saved draft-vocabulary ranking is found beside it)
+        hold(self.graph)
+        self._held = True
+
+    def close(self) -> None:
+        """Drop the params and draft vocabularies and release the graph's compiled steps."""
+        if getattr(self, "_held", False):
+            self._held = False
+            release(self.graph)
+        self.params, self._head_parts, self._vocabs = (), None, {}
+        self._rows = self._draft = self._logits = None
 
     def draft_vocab(self, n: int | None) -> DraftVocab | None:
         """The draft LM head over the n best-ranked token ids (`draft_vocab.load_ranking`), gathered once
@@ -189,12 +212,14 @@ class MTPRuntime:
         return MTPPrefill(cache, h_prev, out)
 
     def draft(self, cache: MTPCache, tokens, h_prev, hidden, start: int, n_valid: int, n_draft: int,
-              vocab: DraftVocab | None = None) -> Draft:
-        """Catch-up rows 0..n_valid-2 + the chain from row n_valid-1 (the certain token t), n_draft >= 1
-        greedy drafts into K = len(tokens) - 2 slots (over `vocab`'s ids only when given). Returns
-        `Draft([t, d1..dK] int32 device array (slots past n_draft are 0), cache, the h paired with t)`."""
+              vocab: DraftVocab | None = None, p_min: float | None = None) -> Draft:
+        """Catch-up rows 0..n_valid-2 + the chain from row n_valid-1 (the certain token t), up to n_draft
+        >= 1 greedy drafts into K = len(tokens) - 2 slots (over `vocab`'s ids only when given; with p_min,
+        stopping before the first draft whose probability is below it). Returns `Draft([t, d1..dK] int32
+        device array (slots past the drafts made are 0), cache, the h paired with t, drafts made)`."""
         return self._draft(self.params, cache, np.asarray(tokens, np.int32), h_prev, hidden, np.int32(start),
-                           np.int32(n_valid), np.int32(n_draft), vocab)
+                           np.int32(n_valid), np.int32(n_draft), vocab,
+                           None if p_min is None else np.float32(p_min))
 
     def logits(self, h: jax.Array) -> jax.Array:
         """MTP LM head on post-norm rows [B >= 2, D]."""

@@ -29,7 +29,8 @@ def _positive(name: str, v, allow_none: bool = True) -> None:
 class GenerateOptions:
     """max_new_tokens (>= 0); sampling (`SamplingParams`); stop_on_eos; speculative (None | "mtp" |
     "mtp_tree"); draft_tokens (k, the chain length or tree depth); verify ("batched" | "sequential");
-    tree_nodes, max_snapshot_bytes (mtp_tree only); loop ("device" | "host"); draft_vocab (mtp only)."""
+    tree_nodes, max_snapshot_bytes (mtp_tree only); loop ("device" | "host"); draft_vocab, draft_p_min
+    (mtp only; draft_p_min in [0, 1), 0 = always draft_tokens drafts)."""
 
     max_new_tokens: int = 64
     sampling: SamplingParams = SamplingParams()
@@ -41,6 +42,7 @@ class GenerateOptions:
     max_snapshot_bytes: int | None = None
     loop: str = "device"
     draft_vocab: int | None = None
+    draft_p_min: float = 0.0
 
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_MODES:
@@ -62,8 +64,18 @@ class GenerateOptions:
                              f"{self.draft_tokens}, tree_nodes={self.tree_nodes}")
         if self.draft_vocab is not None and self.speculative != "mtp":
             raise InputError("draft_vocab applies to speculative='mtp' (the chain) only")
+        p = self.draft_p_min
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) or not 0 <= p < 1:
+            raise InputError(f"draft_p_min must be a probability in [0, 1), got {p!r}")
+        if p > 0 and self.speculative != "mtp":
+            raise InputError("draft_p_min applies to speculative='mtp' (the chain) only")
         if not isinstance(self.sampling, SamplingParams):
             raise InputError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+
+    @property
+    def p_min(self) -> float | None:
+        """draft_p_min as the drafter takes it: None when 0 (every pass drafts draft_tokens)."""
+        return float(self.draft_p_min) if self.draft_p_min > 0 else None
 
     @property
     def nodes(self) -> int:

@@ -64,18 +64,19 @@ class MTPDecoder(Decoder):
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, verify: str = "batched",
                  width: int | None = None, full_rows: bool = False, trace: list | None = None,
                  zero_h_first: bool = False, kv: SnapKV | None = None, kv_capacity: int | None = None,
-                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None):
+                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None, p_min: float | None = None):
         """kv, kv_capacity, mtp_kv: SnapKV eviction (`decoder.Decoder`); vocab: draft over these token ids
-        only (`draft_vocab`; verification uses the full head)."""
+        only (`draft_vocab`; verification uses the full head); p_min: stop a pass's chain before the first
+        draft the head gives a probability below p_min (`MTPRuntime.draft`)."""
         super().__init__(runtime, mtp, draft_tokens, verify, trace, zero_h_first, kv, kv_capacity, mtp_kv)
         self.K = int(width) if width is not None else self.k
         assert 1 <= self.k <= self.K, (self.k, self.K)  # draft_tokens >= 1: `options.GenerateOptions`
         self.nodes, self.max_nodes = self.k, self.K  # a chain: one node per draft
-        self.full_rows, self.vocab = full_rows, vocab
+        self.full_rows, self.vocab, self.p_min = full_rows, vocab, p_min
 
     def _draft(self, tokens, start, n_valid, depth, n_nodes) -> Draft:
         draft = self.mtp.draft(self.cache, tokens, self.h_prev, self._hidden, start, n_valid, max(depth, 1),
-                               self.vocab)
+                               self.vocab, self.p_min)
         draft.drafts.block_until_ready()
         return draft
 
@@ -149,7 +150,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                  verify: str = "batched", width: int | None = None, full_rows: bool = False,
                  trace: list | None = None, zero_h_first: bool = False, kv: SnapKV | None = None,
-                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None) -> Generation:
+                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None, p_min: float | None = None) -> Generation:
     """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments
     (kv: the same SnapKV eviction; mtp_kv: evict the MTP head's KV too, or keep it whole).
 
@@ -164,8 +165,8 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
     t0 = time.perf_counter()
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
     dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first, kv, capacity, mtp_kv,
-                     vocab)
+                     vocab, p_min)
     out, stats, _ = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_position", t0)
     return Generation(out, {**stats, "speculative": "mtp", "draft_tokens": dec.k, "verify": verify,
-                            "draft_vocab": None if vocab is None else vocab.size,
+                            "draft_vocab": None if vocab is None else vocab.size, "draft_p_min": p_min,
                             **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context)})

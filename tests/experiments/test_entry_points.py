@@ -60,7 +60,7 @@ COMMANDS = {
     "test_readme_main_command_compares_mtp_off_and_on": ("generate", lambda t: readme_main_command()),
     "test_bench_verify": ("bench_verify", lambda t: [
         "--model=default", "--ks=1", "--repeats=2", "--new_tokens=8", "--max_context=64", "--tree_nodes=2",
-        "--pass_widths=1,2", f"--json_out={t / 'verify.jsonl'}"]),
+        "--pass_widths=1,2", "--p_mins=0.5", f"--json_out={t / 'verify.jsonl'}"]),
     "test_generate_tree": ("generate", lambda t: [
         "--speculative=mtp_tree", "--draft_tokens=2", "--tree_nodes=4", "--max_new_tokens=8", "--max_context=64",
         "--json"]),
@@ -77,7 +77,7 @@ COMMANDS = {
         "--config=configs/sweeps/smoke.json", f"--out={t / 'smoke.jsonl'}", "--repeats=2"]),
     "test_bench_decode": ("bench_decode", lambda t: [
         "--models=default", "--prompt_tokens=12", "--decode_tokens=4", "--repeats=2", "--max_context=64",
-        f"--jsonl={t / 'decode.jsonl'}"]),
+        "--widths=2,3", "--width_threads=1", f"--jsonl={t / 'decode.jsonl'}"]),
     "test_bench_expert_parallel": ("bench_expert_parallel", lambda t: [
         "--devices=1,2", "--repeats=2", "--prompt_tokens=8", "--decode_tokens=3", "--max_context=32",
         f"--json_out={t / 'ep.jsonl'}"]),
@@ -117,7 +117,13 @@ COMMANDS = {
     "test_info": ("info", lambda t: ["--json"]),
     "test_info_text": ("info", lambda t: []),
     "test_write_synthetic": ("write_synthetic", lambda t: ["--preset=tiny", "--n_layer=2", f"--out={t / 's.gguf'}"]),
+    "test_twin": ("twin", lambda t: ["--source=default", "--shape=tiny", "--n_layer=6", "--n_vocab=2100",
+                                     f"--out={t / 'twin.gguf'}"]),
     "test_generate_compare_needs_mtp": ("generate", lambda t: ["--compare"]),
+    "test_perplexity": ("perplexity", lambda t: [
+        "--gguf=default", "--reference=sharpi_jax/assets/default-F32.gguf", "--ctx=32", "--chunks=4", "--batch=4",
+        "--buckets=3", f"--out={t / 'ppl.json'}"]),
+    "test_perplexity_bad_corpus": ("perplexity", lambda t: ["--corpus=nope"]),
     "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
         "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
@@ -267,6 +273,16 @@ def test_write_synthetic(runs, request):
         assert c.n_layer == 2 and c.arch == "qwen35moe" and len(f.tensors) > 10
 
 
+def test_twin(runs, request):
+    tmp, res = result(runs, request)
+    out = tmp / "twin.gguf"
+    assert f"wrote {out}" in ok(res).stdout
+    with GGUFFile(out) as f:
+        c = read_model_config(f)
+        assert (c.n_layer, c.n_vocab, c.n_expert) == (6, 2100, 16)
+        assert len(f.metadata["tokenizer.ggml.tokens"]) == 2100
+
+
 def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
     """Here (no GPU): one line saying so, exit 0, and nothing written (no slice without a GPU)."""
     tmp, res = result(runs, request)
@@ -279,6 +295,16 @@ def test_bench_decode(runs, request):
     tmp, res = result(runs, request)
     assert "median [min-max] of 2 warm interleaved rounds" in ok(res).stdout
     recs = jsonl(tmp / "decode.jsonl")
+    widths, recs = [r for r in recs if r.get("widths")], [r for r in recs if not r.get("widths")]
+    # --widths: w = 1 (the decode step) is always timed; one record per kernels x w, 1 core for ours.
+    assert [(r["kernels"], r["rows"], r["threads"]) for r in widths] == [
+        (k, w, 1) for k in ("ggml", "xla") for w in (1, 2, 3)]
+    for r in widths:
+        _check_spread(r, "pass_ms", rounds=2)
+        assert 1 <= r["experts_per_pass"] <= r["rows"] * 4  # the default model routes top-4 of 16
+        assert "llama_error" in r  # no --llama_bin here
+    assert widths[0]["pass_over_decode"] == 1.0 and widths[2]["experts_per_pass"] >= widths[0]["experts_per_pass"]
+    assert "one trunk pass of w rows (different tokens per row)" in res.stdout
     assert [r["kernels"] for r in recs] == ["ggml", "xla"]  # the default --kernels, side by side
     assert "copy bandwidth" in res.stdout and all(r["copy_gb_s"] > 0 for r in recs)
     for rec in recs:
@@ -300,6 +326,8 @@ def test_bench_verify(runs, request):
     for r in passes:
         for key in ("decode_ms", "chain_ms", "tree_ms"):
             _check_spread(r, key, rounds=2)
+        assert 1 <= r["experts_per_pass"] <= 4 * r["rows"]  # distinct experts the rows read, per layer
+    pm, recs = recs[7:], recs[:7]  # the --p_mins row after the chain and tree rows
     assert [(r["draft_tokens"], r["verify"], r.get("loop")) for r in recs] == [
         (0, None, "host"), (0, None, "device"), (1, "sequential", "host"), (1, "batched", "host"),
         (1, "batched", "device"), (1, "batched", "host"), (1, "batched", "device")]
@@ -312,6 +340,8 @@ def test_bench_verify(runs, request):
     for tree in recs[5:7]:
         assert tree["speculative"] == "mtp_tree" and tree["tree_nodes"] == 2 and len(tree["accept_per_depth"]) == 1
     assert recs[5]["accepted"] == recs[6]["accepted"] and "draft_s" in recs[5]  # same passes on both loops
+    assert [(r["draft_tokens"], r["draft_p_min"]) for r in pm] == [(1, 0.5)] and pm[0]["same_tokens_as_off"]
+    assert 0 <= pm[0]["drafts_per_pass"] <= 1 and "p_min rows" in res.stdout
     assert "tree/chain" in res.stdout
 
 
@@ -495,6 +525,26 @@ def test_residency_sim(runs, request):
             assert r["demand_mib_per_token"] == r["total_mib_per_token"]
     assert len(re.findall(r"^  mtp (off|on) .* -> [\d.]+x", res.stdout, re.M)) == 4
     assert (tmp / "sim" / "residency_sim.png").stat().st_size > 0
+
+
+def test_perplexity(runs, request):
+    """The embedded model against its F32 file on 4 chunks of the stdlib corpus: the figures, 3 position
+    buckets, the JSON and the figure."""
+    tmp, res = result(runs, request)
+    ok(res)
+    (rec,) = json.loads((tmp / "ppl.json").read_text())["records"]
+    assert rec["chunks"] == 4 and rec["ctx"] == 32 and rec["count"] == 4 * 15 and rec["text"] == "corpus:stdlib"
+    assert rec["ppl"] > 1 and rec["ref_ppl"] > 1 and rec["ppl_ratio"] == pytest.approx(rec["ppl"] / rec["ref_ppl"])
+    assert 0 <= rec["kl_min"] <= rec["kl_percentiles"]["50.0"] <= rec["kl_max"] and 0 <= rec["top1_agreement"] <= 1
+    assert [b["positions"] for b in rec["by_position"]] == [[16, 21], [21, 26], [26, 31]]
+    assert re.search(r"^default: PPL = [\d.]+ \+/- [\d.]+ over 4 chunks of 32 .*KL mean [\d.]+", res.stdout, re.M)
+    assert (tmp / "ppl.png").stat().st_size > 5000
+
+
+def test_perplexity_bad_corpus(runs, request):
+    _, res = result(runs, request)
+    assert res.returncode == 2
+    assert own_lines(res.stderr) == ["error: unknown --corpus 'nope': one of stdlib, repo"]
 
 
 def test_every_entry_point_has_a_smoke_test():

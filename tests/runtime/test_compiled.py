@@ -56,3 +56,33 @@ def test_one_family_per_graph_and_clear_caches():
     assert _fns(b) is first
     compiled.clear_caches()
     assert _fns(a) is not first  # rebuilt after clear_caches
+
+
+def test_hold_release_drops_a_graphs_functions_after_its_last_holder():
+    """Runtimes hold their graph; the jitted family and the programs derived from it are kept while any
+    holder is alive and dropped after the last release (the engine-close path), never before."""
+    calls = []
+
+    @compiled.derived_cache
+    def loop(f):
+        calls.append(f)
+        return jax.jit(lambda p, c, x: f(p, c, x)[0])
+
+    m = Tiny(5)
+    graph, params, cache = compiled.split(m, Counter)
+    x = jnp.ones((2, 4), jnp.float32)
+    before = compiled.held().get(graph, 0)
+    compiled.hold(graph)
+    compiled.hold(graph)  # two runtimes of equal graphs
+    fns = _fns(graph)
+    y = loop(fns.apply)(params, cache, x)
+    assert loop(fns.apply) is loop(fns.apply) and len(calls) == 1
+    compiled.release(graph)  # one holder left: nothing dropped
+    assert _fns(graph) is fns and fns.apply in {k[0] for k in loop.cache}
+    compiled.release(graph)
+    if before == 0:  # no other holder in this process
+        assert graph not in _fns.cache and not loop.cache
+        assert graph not in compiled.held()
+        assert _fns(graph) is not fns  # rebuilt on the next use
+        assert_bitwise_equal(loop(_fns(graph).apply)(params, cache, x), y)
+        assert len(calls) == 2

@@ -152,3 +152,30 @@ def test_every_fixture_file(name, variant):
     for prompt in load_references(name)["variants"][f"{name}-{variant}"]["tokens"]:
         for sampling in (GREEDY, SEEDED):
             check(e, prompt, 32, sampling)
+
+
+def test_eos_at_every_depth_of_a_tree_pass(default_engine):
+    """EOS emitted as the accepted draft at each depth 1..k of a tree pass, and as a pass's own (bonus)
+    token: the device loop and the host loop both stop on it, with plain decoding's tokens up to it
+    (plain greedy decoding without EOS, cut after the first EOS) and the same pass stats."""
+    e, k, n = default_engine, 3, 32
+    prompt = e.tokenizer.encode("import os\nimport sys\n\n\nclass ")
+    plain = generate_ids(e.runtime, prompt, n, GREEDY)[0]
+    trace = []
+    assert generate_tree(e.runtime, e.mtp, prompt, n, GREEDY, (), k, 8, trace=trace)[0] == plain
+    at_depth: dict[int, int] = {}  # depth (1..k: accepted draft, 0: the pass's bonus token) -> index in plain
+    pos = 1
+    for t in trace:
+        for d in range(t["accepted"] + 1):
+            i = pos + d
+            if i < len(plain) and plain[i] not in plain[:i]:
+                at_depth.setdefault(d + 1 if d < t["accepted"] else 0, i)
+        pos += t["accepted"] + 1
+    assert set(at_depth) == set(range(k + 1)), at_depth
+    for depth, i in sorted(at_depth.items()):
+        host = generate_tree(e.runtime, e.mtp, prompt, n, GREEDY, {plain[i]}, k, 8)
+        dev = generate_tree_device(e.runtime, e.mtp, prompt, n, GREEDY, {plain[i]}, k, 8)
+        assert host[0] == dev[0] == plain[:i + 1], depth
+        assert host[1]["stop_reason"] == dev[1]["stop_reason"] == "eos", depth
+        for key in TREE_PASSES:
+            assert dev[1][key] == host[1][key], (depth, key)
