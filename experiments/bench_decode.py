@@ -166,7 +166,7 @@ def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, 
         outs = [o for o, _ in timed]
         row = {**info, "rss_anon_gib_all_loaded": rss, "prompt_tokens": len(ids), "decode_tokens": len(outs[0].tokens),
                "repeats": repeats,
-               "ids": ids, "ids_for_widths": ids}
+               "ids": ids}
         put_spread(row, "prefill_tok_s", [o.stats["prefill_tok_s"] for o in outs])
         put_spread(row, "decode_tok_s", [o.stats["decode_tok_s"] for o in outs])
         put_spread(row, "cpu_s_per_call", [c for _, c in timed])
@@ -190,13 +190,13 @@ def bench_widths(models, engines, rows) -> list[dict]:
             for rnd in range(FLAGS.repeats):
                 os.sched_setaffinity(0, cores[:t])
                 try:
-                    recs = pass_timing(engine, row["ids_for_widths"], widths, 3)
+                    recs = pass_timing(engine, row["ids"], widths, 3)
                     if FLAGS.vec_dot_beside:
                         from sharpi_jax.quant import ggml
 
                         ggml.set_multirow(False)
                         try:
-                            for r in pass_timing(engine, row["ids_for_widths"], widths, 3):
+                            for r in pass_timing(engine, row["ids"], widths, 3):
                                 vd[r["rows"]].append(r["chain_ms"])
                         finally:
                             ggml.set_multirow(True)
@@ -334,7 +334,6 @@ def main(argv) -> int:
     print("-" * len(header))
     for (name, path, _, _, n_decode, _, _), ours in zip(models, ours_rows):
         ids = ours.pop("ids")
-        ours.pop("ids_for_widths")
         key = (str(path), len(ids), n_decode)
         if key not in llama:  # once per file, whatever our layouts
             llama[key] = bench_llama_cpp(path, ids, n_decode)

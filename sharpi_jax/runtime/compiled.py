@@ -99,9 +99,23 @@ def derived_cache(build: Callable[..., Any]) -> Callable[..., Any]:
     return get
 
 
-def hold(graph: Graph) -> None:
-    """Count one more holder (a runtime) of graph's compiled functions."""
+class Hold:
+    """One holder's claim on a graph's compiled functions (`hold`); `release()` gives it up once, however
+    often it is called (a runtime's `close` may run from `close()`, `with` and `__del__` alike)."""
+
+    def __init__(self, graph: Graph):
+        self._graph: Graph | None = graph
+
+    def release(self) -> None:
+        if self._graph is not None:
+            graph, self._graph = self._graph, None
+            release(graph)
+
+
+def hold(graph: Graph) -> Hold:
+    """Count one more holder (a runtime) of graph's compiled functions; the returned `Hold` releases it."""
     _HOLDERS[graph] = _HOLDERS.get(graph, 0) + 1
+    return Hold(graph)
 
 
 def release(graph: Graph) -> None:

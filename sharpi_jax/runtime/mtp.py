@@ -22,7 +22,7 @@ import numpy as np
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.runtime import draft_vocab
-from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, release, split
+from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, split
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.state import MTPCache, init_mtp_cache
 from sharpi_jax.runtime.steps import Runtime
@@ -135,14 +135,11 @@ class MTPRuntime:
         self._head_parts = head.lm_head.parts()
         self._vocabs: dict[tuple, DraftVocab] = {}
         self.path: str | None = None  # the model file (a saved draft-vocabulary ranking is found beside it)
-        hold(self.graph)
-        self._held = True
+        self._hold = hold(self.graph)
 
     def close(self) -> None:
         """Drop the params and draft vocabularies and release the graph's compiled steps."""
-        if getattr(self, "_held", False):
-            self._held = False
-            release(self.graph)
+        self._hold.release()
         self.params, self._head_parts, self._vocabs = (), None, {}
         self._rows = self._draft = self._logits = None
 

@@ -31,7 +31,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.model.tree import TreeRows, tree_arrays
-from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, release, split
+from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, split
 from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
                                       select_snapshot)
 
@@ -177,14 +177,11 @@ class Runtime:
         # params: the model's arrays, flat; cache: expert residency state, replaced after every step
         self.graph, self.params, self.cache = split(model, ExpertCache)
         self._fns = _step_fns(self.graph)
-        hold(self.graph)
-        self._held = True
+        self._hold = hold(self.graph)
 
     def close(self) -> None:
         """Drop the params and cache and release the graph's compiled steps (`compiled.release`)."""
-        if getattr(self, "_held", False):
-            self._held = False
-            release(self.graph)
+        self._hold.release()
         self.params, self.cache, self._fns = (), (), None
 
     @property
