@@ -29,7 +29,7 @@ from sharpi_jax.model.footprint import backend_summary, fallback_message, matrix
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
-from sharpi_jax.runtime import draft_vocab, loops
+from sharpi_jax.runtime import batch, draft_vocab, loops
 from sharpi_jax.runtime.generate import GenerateOutput
 from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
@@ -373,6 +373,61 @@ class Engine:
         kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
         return self.generate_with(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs),
                                   opts, kv)
+
+    def generate_batch(self, prompts: Sequence[Any] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
+                       speculative: str | None = None, draft_tokens: int = 3, tree_nodes: int | None = None,
+                       max_snapshot_bytes: int | None = None, draft_vocab: int | None = None,
+                       draft_p_min: float = 0.0, *, seeds: Sequence[int] | None = None,
+                       messages: Sequence[Sequence[Mapping[str, Any]]] | None = None, enable_thinking: bool | None = None,
+                       chat_template_kwargs: Mapping[str, Any] | None = None) -> list[GenerateOutput]:
+        """Generate after each of `prompts` (texts or token id lists, any lengths) together: one jitted
+        device loop for the batch, each step's (or pass's) products over every sequence's rows at once,
+        so the weights and each used expert are read once per step for the batch
+        (`sharpi_jax.runtime.batch`). Options as `generate` (greedy when temperature == 0; speculative
+        None, "mtp" or "mtp_tree", each sequence drafting and accepting on its own); seeds: one sampling
+        seed per prompt (default `seed` for all); messages=[chat, ...] instead of prompts: each chat
+        rendered by the chat template.
+
+        Returns one `GenerateOutput` per prompt, in order. With kernels="ggml" (the CPU default) each
+        sequence's tokens are bitwise those of `generate` on its prompt alone with its seed. stats: the
+        sequence's prompt_tokens, generated_tokens, stop_reason, prefill_s and pass stats, and the batch's
+        batch, batch_decode_s and batch_decode_tok_s (all sequences' tokens per second of decode).
+        Not with an expert budget, expert parallelism or a KV eviction policy (one line says so)."""
+        self._live()
+        if self.residency is not None:
+            raise InputError("generate_batch: not with an expert_budget (one residency cache serves one "
+                             "sequence's steps); load without expert_budget, or generate prompts one at a time")
+        if self.mesh is not None:
+            raise InputError("generate_batch: not with expert_parallel yet; generate prompts one at a time")
+        if self.kv_policy is not None:
+            raise InputError("generate_batch: not with a KV eviction policy (kv_policy); load without it")
+        if messages is not None:
+            if prompts is not None:
+                raise InputError("give either prompts or messages=[chat, ...], not both")
+            if isinstance(messages, Mapping) or not all(isinstance(m, Sequence) and not isinstance(m, str)
+                                                        for m in messages):
+                raise InputError("messages must be a list of chats, each a list of {'role', 'content'} dicts")
+            prompts = [self._chat_ids(None, m, enable_thinking, chat_template_kwargs) for m in messages]
+        elif enable_thinking is not None or chat_template_kwargs is not None:
+            raise InputError("enable_thinking and chat_template_kwargs apply to messages=[...] only")
+        if prompts is None or isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise InputError("generate_batch needs a non-empty list of prompts (texts or token id lists)")
+        ids = [self._prompt_ids(p) for p in prompts]
+        opts = GenerateOptions(
+            max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, speculative=speculative,
+            draft_tokens=draft_tokens, tree_nodes=tree_nodes, max_snapshot_bytes=max_snapshot_bytes,
+            draft_vocab=draft_vocab, draft_p_min=draft_p_min,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
+        mtp = self.mtp if opts.speculative is not None else None
+        vocab = mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
+        stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
+        outs = []
+        for g in batch.generate_batch(self.runtime, mtp, ids, opts, stop_ids, vocab, seeds):
+            g.stats["backends"] = backend_summary(self.matrix_backends)
+            shown = g.tokens[:-1] if g.tokens and g.tokens[-1] in stop_ids else g.tokens
+            outs.append(GenerateOutput(tokens=g.tokens, text=self.tokenizer.decode(shown), stats=g.stats))
+        return outs
 
     def generate_with(self, ids_or_text: Any, opts: GenerateOptions, kv: SnapKV | None = None) -> GenerateOutput:
         """`generate` with its options as one validated `GenerateOptions` (the CLI builds one) and the KV

@@ -42,6 +42,24 @@ def route(router_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return top_k_weights(jax.nn.softmax(router_logits, axis=-1), k)
 
 
+@jax.custom_batching.custom_vmap
+def padding_route(sel: jax.Array, valid: jax.Array) -> jax.Array:
+    """sel [N, k] with the padding rows (valid False) routed like the first row (valid rows come first),
+    so padding reads no expert that a valid row does not. Under jax.vmap (a batch of sequences,
+    `runtime.batch`) like the first valid row of the whole batch, so a finished sequence's rows read
+    none either."""
+    return jnp.where(valid[:, None], sel, sel[:1])
+
+
+@padding_route.def_vmap
+def _padding_route_batched(axis_size, in_batched, sel, valid):
+    sel = sel if in_batched[0] else jnp.broadcast_to(sel[None], (axis_size,) + sel.shape)
+    valid = valid if in_batched[1] else jnp.broadcast_to(valid[None], (axis_size,) + valid.shape)
+    flat = valid.reshape(-1)
+    first = sel.reshape(-1, sel.shape[-1])[jnp.argmax(flat)]  # row 0 of the batch when none is valid
+    return jnp.where(valid[..., None], sel, first), True
+
+
 def top_k_weights(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k most probable experts of each row and their weights renormalised with ggml's clamp."""
     w, sel = jax.lax.top_k(probs, k)
@@ -86,7 +104,7 @@ class MoE(nnx.Module):
             self.sow(nnx.Intermediate, "router_probs", probs)
         sel, w = top_k_weights(probs, self.k)
         if valid is not None:
-            sel = jnp.where(valid[:, None], sel, sel[:1])
+            sel = padding_route(sel, valid)
             w = jnp.where(valid[:, None], w, 0.0)
         out = self.experts(u, sel, w, valid)
         if self.has_shared:

@@ -168,9 +168,43 @@ def matmul(x: jax.Array, raw: jax.Array, qtype: int, rows: jax.Array | int | Non
     if rows is not None and len(lead) != 1:
         raise InputError(f"ggml matmul: rows= needs x [M, K], got {list(x.shape)}")
     rows = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32)
-    out = jax.ffi.ffi_call("sharpi_ggml_matmul", jax.ShapeDtypeStruct((x2.shape[0], raw.shape[0]), jnp.float32),
-                           vmap_method="sequential")(x2, raw, rows, qtype=np.int32(int(qtype)))
-    return out.reshape(*lead, raw.shape[0])
+    return _matmul_op(int(qtype))(x2, raw, rows).reshape(*lead, raw.shape[0])
+
+
+def _matmul_call(x2, raw, rows, qtype: int):
+    return jax.ffi.ffi_call("sharpi_ggml_matmul", jax.ShapeDtypeStruct((x2.shape[0], raw.shape[0]), jnp.float32),
+                            vmap_method="sequential")(x2, raw, rows, qtype=np.int32(qtype))
+
+
+def _bcast(a, batched: bool, n: int):
+    return a if batched else jnp.broadcast_to(a[None], (n,) + a.shape)
+
+
+@functools.cache
+def _matmul_op(qtype: int):
+    """The FFI product x2 [M, K] @ W.T (rows [0, rows) computed), batched as ONE call: under jax.vmap (a
+    batch of sequences, `runtime.batch`) every sequence's valid rows are gathered into one product, so
+    the weights are read once for the batch; rows are independent bit for bit, so each sequence's
+    output equals its own call's."""
+    op = jax.custom_batching.custom_vmap(functools.partial(_matmul_call, qtype=qtype))
+
+    @op.def_vmap
+    def rule(axis_size, in_batched, x2, raw, rows):
+        x_b, raw_b, rows_b = in_batched
+        if raw_b:  # per-sequence weights (not a shared model): one call each
+            rows = _bcast(rows, rows_b, axis_size)
+            x2 = _bcast(x2, x_b, axis_size)
+            return jax.lax.map(lambda a: op(*a), (x2, raw, rows)), True
+        x2, rows = _bcast(x2, x_b, axis_size), _bcast(rows, rows_b, axis_size)
+        B, M, K = x2.shape
+        valid = (jnp.arange(M, dtype=jnp.int32)[None, :] < rows[:, None]).reshape(B * M)
+        # Valid rows first (stable), so the call computes just them; the rest come back +0.0.
+        order = jnp.argsort(~valid, stable=True)
+        y = op(x2.reshape(B * M, K)[order], raw, jnp.sum(valid, dtype=jnp.int32))
+        out = jnp.zeros_like(y).at[order].set(y)
+        return out.reshape(B, M, raw.shape[0]), True
+
+    return op
 
 
 def _expert_args(x_shape, ids_shape, gate_shape, up_shape, down_shape, qtypes: Sequence[int], mode: str):
@@ -201,10 +235,34 @@ def expert_rows(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, do
     same bits (same row kernels, same SiLU). An expert id outside [0, E) fails the call.
     """
     attrs = _expert_args(x.shape, ids.shape, gate.shape, up.shape, down.shape, qtypes, mode)
+    return _expert_op(tuple(sorted(attrs.items())))(jnp.asarray(x, jnp.float32), jnp.asarray(ids, jnp.int32),
+                                                    gate, up, down)
+
+
+def _expert_call(x, ids, gate, up, down, attrs):
     n, k = ids.shape
     return jax.ffi.ffi_call("sharpi_ggml_expert_rows", jax.ShapeDtypeStruct((n, k, x.shape[1]), jnp.float32),
-                            vmap_method="sequential")(
-        jnp.asarray(x, jnp.float32), jnp.asarray(ids, jnp.int32), gate, up, down, **attrs)
+                            vmap_method="sequential")(x, ids, gate, up, down, **dict(attrs))
+
+
+@functools.cache
+def _expert_op(attrs: tuple):
+    """`expert_rows` as one FFI call, batched as ONE call too: under jax.vmap every sequence's rows join
+    one grouped product (each used expert read once for the whole batch); rows are independent bit for
+    bit, so each sequence's output equals its own call's."""
+    op = jax.custom_batching.custom_vmap(functools.partial(_expert_call, attrs=attrs))
+
+    @op.def_vmap
+    def rule(axis_size, in_batched, x, ids, gate, up, down):
+        x, ids = _bcast(x, in_batched[0], axis_size), _bcast(ids, in_batched[1], axis_size)
+        if any(in_batched[2:]):  # per-sequence weights: one call each
+            w = [_bcast(a, b, axis_size) for a, b in zip((gate, up, down), in_batched[2:])]
+            return jax.lax.map(lambda a: op(*a), (x, ids, *w)), True
+        B, N, D = x.shape
+        y = op(x.reshape(B * N, D), ids.reshape(B * N, ids.shape[-1]), gate, up, down)
+        return y.reshape(B, N, ids.shape[-1], D), True
+
+    return op
 
 
 def expert_reads(ids: jax.Array, n_experts: int, mode: str = "grouped") -> jax.Array:

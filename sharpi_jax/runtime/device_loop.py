@@ -16,6 +16,7 @@ of max_context and, on a SnapKV-compacted cache, of its slots (as `decoder.Decod
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Collection, Sequence
 
@@ -64,9 +65,20 @@ def _stop_code(tok, eos, n_out, max_new):
     return jnp.where(jnp.any(tok == eos), 1, jnp.where(n_out == max_new, 2, 0)).astype(jnp.int32)
 
 
+def _batched(run, in_axes, out_axes, static: tuple[str, ...]):
+    """`run` over a batch of sequences (`runtime.batch`): jax.vmap over the per-sequence arguments
+    (in_axes 0; None: shared), the static arguments bound first. The while loop runs until every
+    sequence has stopped; a stopped sequence's carry is kept, and its steps run as padding rows."""
+
+    def batched(*args, **kw):
+        return jax.vmap(functools.partial(run, **kw), in_axes=in_axes, out_axes=out_axes)(*args)
+
+    return jax.jit(batched, static_argnames=static)
+
+
 @derived_cache
-def _plain_fn(decode):
-    """The jitted decode loop over one model graph's `decode` step."""
+def _plain_fn(decode, batch: bool = False):
+    """The jitted decode loop over one model graph's `decode` step (batch: over a batch of sequences)."""
 
     def run(params, cache, state, logits, pos, max_new, max_context, eos, sampling, out, greedy):
         pick = _picker(greedy, sampling)
@@ -77,7 +89,7 @@ def _plain_fn(decode):
 
         def body(c):
             cache, state, pos, i, tok, out, _ = c
-            step, cache = decode(params, cache, state, tok, pos)
+            step, cache = decode(params, cache, state, tok, pos, c[-1] == 0)
             logits, state = step.logits, step.state
             pos, i = pos + 1, i + 1
             tok = pick(logits, i)
@@ -88,6 +100,8 @@ def _plain_fn(decode):
         cache, state, pos, i, _, out, stop = jax.lax.while_loop(lambda c: c[-1] == 0, body, carry)
         return out, i + 1, stop, pos, cache
 
+    if batch:  # per sequence: state, logits, pos, sampling, out
+        return _batched(run, (None, None, 0, 0, 0, None, None, None, 0, 0), (0, 0, 0, 0, None), ("greedy",))
     return jax.jit(run, donate_argnums=(1,), static_argnames=("greedy",))
 
 
@@ -118,8 +132,9 @@ def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens:
 
 
 @derived_cache
-def _chain_fn(commit_verify, draft):
-    """The jitted MTP chain loop over one model graph's `commit_verify` and one head's `draft`."""
+def _chain_fn(commit_verify, draft, batch: bool = False):
+    """The jitted MTP chain loop over one model graph's `commit_verify` and one head's `draft` (batch: over
+    a batch of sequences)."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, mtp_off, k, max_new, max_context,
             slot_room, eos, sampling, out, vocab, p_min, K, greedy):
@@ -139,16 +154,17 @@ def _chain_fn(commit_verify, draft):
         rows = jnp.arange(K + 1, dtype=jnp.int32)
 
         def body(c):
-            P = c["P"]
+            P, live = c["P"], c["stop"] == 0  # live False: a stopped sequence of a batch (padding rows)
             n_draft = jnp.minimum(k, jnp.minimum(max_context - 1 - P, slot_room - P))
             # MTP catch-up rows (the previous pass's certain token and accepted drafts), then t.
             toks = jnp.concatenate([jnp.where(rows < c["n_pend"], c["vt"], 0), jnp.zeros((1,), jnp.int32)])
             toks = toks.at[c["n_pend"]].set(c["t"])
             vtokens, mtp_cache, h_t, n_made = draft(mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"],
                                                     c["pend_start"] - mtp_off, c["n_pend"] + 1,
-                                                    jnp.maximum(n_draft, 1), vocab, p_min)
+                                                    jnp.maximum(n_draft, 1), vocab, p_min, live)
             n_draft = jnp.minimum(n_draft, n_made)  # draft_p_min may stop the chain early
-            v, cache = commit_verify(params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P, n_draft + 1)
+            v, cache = commit_verify(params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P,
+                                     (n_draft + 1) * live)
             logits, greedy_rows, hidden, state, snaps = v
             if greedy:
                 target = greedy_rows
@@ -182,6 +198,9 @@ def _chain_fn(commit_verify, draft):
                       hit=c["hit"][1:])
         return c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"]
 
+    if batch:  # per sequence: state, mtp_cache, logits, h_last, P, sampling, out
+        return _batched(run, (None, None, None, 0, 0, 0, 0, 0, None, None, None, None, None, None, 0, 0, None, None),
+                        (0, 0, 0, 0, 0, None), ("K", "greedy"))
     return jax.jit(run, donate_argnums=(1,), static_argnames=("K", "greedy"))
 
 
@@ -228,8 +247,9 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
 
 
 @derived_cache
-def _tree_fn(tree_commit_verify, root, level):
-    """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls."""
+def _tree_fn(tree_commit_verify, root, level, batch: bool = False):
+    """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls
+    (batch: over a batch of sequences; a stopped sequence's passes still compute)."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, slot_room, eos,
             sampling, out, K, N, c, greedy):
@@ -293,6 +313,9 @@ def _tree_fn(tree_commit_verify, root, level):
         counts = dict(passes=c_["passes"], nodes=c_["nodes"], depth=c_["depth"], acc=c_["acc"])
         return c_["out"], c_["n_out"], c_["stop"], c_["P"], counts, c_["cache"]
 
+    if batch:  # per sequence: state, mtp_cache, logits, h_last, P, sampling, out
+        return _batched(run, (None, None, None, 0, 0, 0, 0, 0, None, None, None, None, 0, 0),
+                        (0, 0, 0, 0, 0, None), ("K", "N", "c", "greedy"))
     return jax.jit(run, donate_argnums=(1,), static_argnames=("K", "N", "c", "greedy"))
 
 

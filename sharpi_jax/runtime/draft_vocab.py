@@ -141,9 +141,10 @@ class DraftVocab:
     def size(self) -> int:
         return int(self.ids.shape[0])
 
-    def logits(self, h2: jax.Array) -> jax.Array:
-        """The subset's logits [N] of row 0 of a 2-row bucket h2 [2, D] (in `ids` order)."""
-        ys = [matmul(h2, p, rows=1) for p in self.parts]  # row 1 is padding
+    def logits(self, h2: jax.Array, rows: jax.Array | int = 1) -> jax.Array:
+        """The subset's logits [N] of row 0 of a 2-row bucket h2 [2, D] (in `ids` order); rows=0: row 0 is
+        padding too (a finished sequence of a batch)."""
+        ys = [matmul(h2, p, rows=rows) for p in self.parts]  # row 1 is padding
         return (ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1))[0]
 
     def token(self, logits: jax.Array) -> jax.Array:

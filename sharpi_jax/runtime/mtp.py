@@ -65,11 +65,14 @@ def _mtp_fns(graph: Graph) -> dict:
         hp, cache, *q = merge(params)(tokens, hs, start, n_valid, cache, with_q=with_q)
         return MTPRows(hp, cache, tuple(q))
 
-    def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft, vocab=None, p_min=None):
+    def draft(params, cache, tokens, h_prev, hidden, start, n_valid, n_draft, vocab=None, p_min=None, live=True):
+        # live False (a finished sequence of a batch, `runtime.batch`): every row is padding (no product
+        # row, no expert read); the results are discarded.
         mtp = merge(params)
         W = tokens.shape[0]
+        live = jnp.asarray(live, jnp.int32)
         hs = jnp.concatenate([h_prev[None], hidden])[:W]
-        hp, cache = mtp(tokens, hs, start, n_valid, cache)
+        hp, cache = mtp(tokens, hs, start, n_valid * live, cache)
         last = n_valid - 1  # the row of the certain token t
 
         def greedy(h):
@@ -77,7 +80,7 @@ def _mtp_fns(graph: Graph) -> dict:
             `draft_vocab.DraftVocab`. With p_min, drafting stops at the first draft whose probability under
             the head (its softmax, over the vocabulary it drafts from) is below p_min; that draft is dropped."""
             h2 = jnp.stack([h, h])
-            logits = vocab.logits(h2) if vocab is not None else mtp.logits(h2, 1)[0]
+            logits = vocab.logits(h2, live) if vocab is not None else mtp.logits(h2, live)[0]
             tok = vocab.token(logits) if vocab is not None else jnp.argmax(logits).astype(jnp.int32)
             if p_min is None:
                 return tok, jnp.bool_(True)
@@ -91,7 +94,7 @@ def _mtp_fns(graph: Graph) -> dict:
 
         def step(c):
             i, cache, tok, h, drafts, n = c
-            hp, cache = mtp(jnp.stack([tok, tok]), jnp.stack([h, h]), pos0 + i, jnp.int32(1), cache)
+            hp, cache = mtp(jnp.stack([tok, tok]), jnp.stack([h, h]), pos0 + i, live, cache)
             tok, keep = greedy(hp[0])
             return i + 1, cache, tok, hp[0], drafts.at[i].set(tok), n + keep.astype(jnp.int32)
 

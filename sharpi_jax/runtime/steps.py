@@ -126,10 +126,12 @@ def _step_fns(graph: Graph) -> dict:
     def head(params, cache, hidden):
         return merge(params, cache).lm_head(hidden)
 
-    def decode(params, cache, state, token, pos):
+    def decode(params, cache, state, token, pos, live=True):
+        # live False (a finished sequence of a batch, `runtime.batch`): row 0 is padding too, so the
+        # step computes no product row and reads no expert; its results are discarded.
         model = merge(params, cache)
         tokens = jnp.stack([token, token])
-        logits, hidden, state, snaps = model.rows(state, tokens, pos, jnp.int32(1))
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, jnp.asarray(live, jnp.int32))
         return Step(logits[0], hidden[0], select_snapshot(state, snaps, 0)), cache_out(model)
 
     def verify(params, cache, state, tokens, pos, n_valid):
