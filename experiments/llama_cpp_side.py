@@ -135,6 +135,34 @@ def batch_pass_ms(path: Path, widths: list[int], *, threads: int = 2, llama_bin:
             for r in res if r.get("n_prompt")}
 
 
+def batched_decode_tok_s(path: Path, batches: list[int], *, n_prompt: int, n_decode: int, threads: int = 2,
+                         llama_bin: str | None = None) -> dict[int, float] | dict:
+    """llama.cpp's aggregate decode tokens/s with B parallel sequences (`llama-batched-bench -npl B`: B
+    prompts of n_prompt tokens, then n_decode tokens each, S_TG = B * n_decode / the decode time) for each
+    B in `batches`: {B: tok/s}, or {"error": why}."""
+    tool = find_tool(llama_bin, "llama-batched-bench")
+    if tool is None:
+        return {"error": "no llama-batched-bench (--llama_bin)"}
+    ctx = max(batches) * (n_prompt + n_decode) + 64
+    cmd = [str(tool), "-m", str(path), "-c", str(ctx), "-npp", str(n_prompt), "-ntg", str(n_decode),
+           "-npl", ",".join(str(b) for b in batches), "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
+    try:
+        text = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": f"llama-batched-bench failed: {e}"}
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "speed_tg" in r:
+                out[int(r["pl"])] = float(r["speed_tg"])
+    return out or {"error": "llama-batched-bench printed no results"}
+
+
 def _llama_cpp_python(path: Path, ids: list[int], n_decode: int, threads: int, n_ctx: int) -> dict:
     args = json.dumps({"path": str(path), "ids": ids, "n_decode": n_decode, "threads": threads, "n_ctx": n_ctx})
     try:

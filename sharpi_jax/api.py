@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 import os
@@ -30,6 +31,7 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat, resolve_kernels
 from sharpi_jax.runtime import batch, draft_vocab, loops
+from sharpi_jax.runtime import session as session_state
 from sharpi_jax.runtime.generate import GenerateOutput
 from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
@@ -316,8 +318,14 @@ class Engine:
                  kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None,
                  draft_p_min: float = 0.0, *,
                  messages: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> GenerateOutput:
+                 chat_template_kwargs: Mapping[str, Any] | None = None, session: "Session | None" = None) -> GenerateOutput:
         """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
+
+        session (`Engine.session()`; `session.generate(...)` says the same): the prompt (or messages=, the
+        session's new chat messages) continues the session's conversation, and only the tokens its kept
+        state has not seen are prefilled (the previous reply and the new prompt); the tokens are those of
+        a fresh generate over the whole conversation, bit for bit (`sharpi_jax.runtime.session`).
+        out.stats adds session_reused_tokens and session_prefilled_tokens. Not with a KV eviction policy.
 
         messages=[{"role": ..., "content": ...}, ...] instead of a prompt: the chat rendered by the file's
         chat template with the generation prompt (`tokenizer.apply_chat_template`, special tokens parsed),
@@ -371,8 +379,32 @@ class Engine:
             loop=loop, draft_vocab=draft_vocab, draft_p_min=draft_p_min,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
         kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
-        return self.generate_with(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs),
-                                  opts, kv)
+        if session is None:
+            return self.generate_with(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs),
+                                      opts, kv)
+        if not isinstance(session, Session) or session.engine is not self:
+            raise InputError("session must be a Session of this engine (engine.session())")
+        if kv is not None:
+            raise InputError("a session keeps every KV position: not with a KV eviction policy (kv_policy=None)")
+        if messages is not None:
+            chat = session.messages + list(messages)
+            ids = self._chat_ids(ids_or_text, chat, enable_thinking, chat_template_kwargs)
+        else:
+            ids = session.ids + self._prompt_ids(self._chat_ids(ids_or_text, None, enable_thinking,
+                                                                chat_template_kwargs))
+        resume = session_state.Resume(session.prefix, self.mtp if self.config.has_mtp else None)
+        out = self.generate_with(ids, opts, None, resume)
+        session.prefix, session.ids = resume.saved, list(ids) + out.tokens
+        if messages is not None:
+            session.messages = chat + [{"role": "assistant", "content": out.text}]
+        out.stats["session_reused_tokens"] = resume.reused
+        out.stats["session_prefilled_tokens"] = len(ids) - resume.reused
+        return out
+
+    def session(self) -> "Session":
+        """A new conversation whose state is kept between turns (`Session`)."""
+        self._live()
+        return Session(self)
 
     def generate_batch(self, prompts: Sequence[Any] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
@@ -429,9 +461,10 @@ class Engine:
             outs.append(GenerateOutput(tokens=g.tokens, text=self.tokenizer.decode(shown), stats=g.stats))
         return outs
 
-    def generate_with(self, ids_or_text: Any, opts: GenerateOptions, kv: SnapKV | None = None) -> GenerateOutput:
+    def generate_with(self, ids_or_text: Any, opts: GenerateOptions, kv: SnapKV | None = None,
+                      resume: session_state.Resume | None = None) -> GenerateOutput:
         """`generate` with its options as one validated `GenerateOptions` (the CLI builds one) and the KV
-        eviction policy resolved (None: none)."""
+        eviction policy resolved (None: none); resume: a session's continued prefill."""
         if not isinstance(opts, GenerateOptions):
             raise InputError(f"options must be a GenerateOptions, got {type(opts).__name__}")
         self._live()
@@ -440,7 +473,7 @@ class Engine:
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
-        tokens, stats = loops.run(self.runtime, mtp, ids, opts, stop_ids, kv, vocab)
+        tokens, stats = loops.run(self.runtime, mtp, ids, opts, stop_ids, kv, vocab, resume)
         stats.setdefault("loop", "host")
         if vocab is not None:
             stats["draft_vocab_ranking"] = mtp.draft_ranking
@@ -450,6 +483,42 @@ class Engine:
         stats["matrix_backends"] = {k: v["backend"] for k, v in self.matrix_backends.items()}
         shown = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
         return GenerateOutput(tokens=tokens, text=self.tokenizer.decode(shown), stats=stats)
+
+
+class Session:
+    """A conversation with its prefilled state kept between turns (`Engine.session()`).
+
+    `session.generate(prompt | messages=[...], **generate options)` continues the conversation: the new
+    prompt's token ids (or the chat with the new messages, rendered by the chat template) after
+    everything so far, the replies included; only the tokens the kept state has not seen are prefilled,
+    and the tokens are bitwise those of `engine.generate` over the whole conversation. `fork()` branches
+    it cheaply (the kept state is shared, never modified). ids: the conversation's token ids so far;
+    messages: its chat (messages= turns, with the assistant replies as text); prefix: the kept state
+    (`sharpi_jax.runtime.session.Prefix`); prefilled: how many of the ids it holds.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.ids: list[int] = []
+        self.messages: list[dict] = []
+        self.prefix: session_state.Prefix | None = None
+
+    @property
+    def prefilled(self) -> int:
+        return 0 if self.prefix is None else len(self.prefix.ids)
+
+    def generate(self, ids_or_text: Any = None, **options: Any) -> GenerateOutput:
+        """`Engine.generate(ids_or_text, session=self, **options)`."""
+        return self.engine.generate(ids_or_text, session=self, **options)
+
+    def fork(self) -> "Session":
+        """A copy to branch from: the same conversation and kept state (shared arrays, never donated)."""
+        s = Session(self.engine)
+        s.ids, s.messages, s.prefix = list(self.ids), copy.deepcopy(self.messages), self.prefix
+        return s
+
+    def __repr__(self) -> str:
+        return f"Session({len(self.ids)} tokens, {self.prefilled} prefilled)"
 
 
 def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dtype: Any = jnp.float32,

@@ -69,6 +69,7 @@ class Decoder:
     K: int
     nodes: int
     max_nodes: int
+    resume = None  # a session's `session.Resume`: prefill continued from its saved state
 
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, verify: str, trace: list | None,
                  zero_h_first: bool = False, kv: SnapKV | None = None, kv_capacity: int | None = None,
@@ -87,8 +88,11 @@ class Decoder:
 
     def prefill(self, ids: Sequence[int]) -> jax.Array:
         """Trunk prefill + MTP KV over ids (positions 0..n-1). Returns the last row's logits [V]."""
-        chunks, logits, state, self.evicted = kv_eviction.prefill(self.rt, ids, self.kv, self.kv_capacity)
-        if self.evicted is not None and self.mtp_kv == "snapkv":
+        chunks, logits, state, self.evicted = kv_eviction.prefill(self.rt, ids, self.kv, self.kv_capacity,
+                                                                  self.resume)
+        if self.resume is not None:
+            cache, h_last = self.resume.mtp_prefill(self.zero_h_first)
+        elif self.evicted is not None and self.mtp_kv == "snapkv":
             cache, h_last = kv_eviction.mtp_prefill(self.mtp, ids, chunks, self.zero_h_first, self.kv,
                                                     self.kv_capacity)
         else:

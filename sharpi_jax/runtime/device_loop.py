@@ -106,12 +106,12 @@ def _plain_fn(decode, batch: bool = False):
 
 
 def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                        stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> Generation:
+                        stop_ids: Collection[int] = (), kv: SnapKV | None = None, resume=None) -> Generation:
     """`generate.generate_ids` (same arguments, tokens and stats, plus loop="device") with the decode
     loop on the device."""
     t0 = time.perf_counter()
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
-    _, logits, state, evicted = kv_eviction.prefill(runtime, prompt, kv, capacity)
+    _, logits, state, evicted = kv_eviction.prefill(runtime, prompt, kv, capacity, resume)
     logits.block_until_ready()
     t1 = time.perf_counter()
     pos = len(prompt)
@@ -207,13 +207,14 @@ def _chain_fn(commit_verify, draft, batch: bool = False):
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                         sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                         kv: SnapKV | None = None, mtp_kv: str = "snapkv", zero_h_first: bool = False,
-                        vocab: DraftVocab | None = None, p_min: float | None = None) -> Generation:
+                        vocab: DraftVocab | None = None, p_min: float | None = None, resume=None) -> Generation:
     """`speculative.generate_mtp` with batched verify (same arguments, tokens and stats except draft_s /
     verify_s, which one device program cannot split; plus loop="device") with every pass on the device."""
     t0 = time.perf_counter()
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
     dec = MTPDecoder(runtime, mtp, draft_tokens, "batched", zero_h_first=zero_h_first, kv=kv, kv_capacity=capacity,
                      mtp_kv=mtp_kv, vocab=vocab, p_min=p_min)
+    dec.resume = resume
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     K, P = dec.K, dec.P
@@ -322,12 +323,13 @@ def _tree_fn(tree_commit_verify, root, level, batch: bool = False):
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                          sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                          tree_nodes: int = 8, max_snapshot_bytes: int | None = None,
-                         kv: SnapKV | None = None) -> Generation:
+                         kv: SnapKV | None = None, resume=None) -> Generation:
     """`tree.generate_tree` with batched verify (same arguments, tokens and stats except draft_s / verify_s;
     plus loop="device") with every pass (drafting the tree, verify, acceptance, commit) on the device."""
     t0 = time.perf_counter()
     dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, "batched", max_snapshot_bytes=max_snapshot_bytes,
                       kv=kv, kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context))
+    dec.resume = resume
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
     P, passes = dec.P, []

@@ -31,9 +31,10 @@ class GenerateOutput:
 
 
 def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop_ids: Collection[int] = (), kv: SnapKV | None = None) -> Generation:
+                 stop_ids: Collection[int] = (), kv: SnapKV | None = None, resume=None) -> Generation:
     """Generate up to max_new_tokens after `prompt` (validated by the caller). Returns `Generation(tokens, stats)`.
-    kv: SnapKV eviction at prefill (`kv_eviction`; None: keep every position).
+    kv: SnapKV eviction at prefill (`kv_eviction`; None: keep every position); resume: a session's
+    `session.Resume` (the prefill continued from its saved state; every loop takes it).
 
     stats: prompt_tokens, generated_tokens, prefill_s, prefill_tok_s, decode_s, decode_tok_s
     (generated tokens per second after the prefill, sampling included), stop_reason
@@ -41,7 +42,7 @@ def generate_ids(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, s
     """
     t0 = time.perf_counter()
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
-    _, logits, state, evicted = kv_eviction.prefill(runtime, prompt, kv, capacity)
+    _, logits, state, evicted = kv_eviction.prefill(runtime, prompt, kv, capacity, resume)
     logits.block_until_ready()
     t1 = time.perf_counter()
     pos, out, stop = len(prompt), [], "max_new_tokens"

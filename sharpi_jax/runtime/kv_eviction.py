@@ -73,9 +73,13 @@ def compact_all(caches: Sequence[AttnCache], qs: Sequence[jax.Array] | None, n_r
     return out
 
 
-def prefill(runtime: Runtime, ids: Sequence[int], kv: SnapKV | None, capacity: int | None):
+def prefill(runtime: Runtime, ids: Sequence[int], kv: SnapKV | None, capacity: int | None, resume=None):
     """`runtime.prefill` of a new sequence, then SnapKV compaction when the prompt is longer than the
-    budget. Returns (chunks, last_logits, state, Evicted or None when nothing was compacted)."""
+    budget. Returns (chunks, last_logits, state, Evicted or None when nothing was compacted). resume: a
+    session's `session.Resume` (no eviction): the prefill continued from its saved state."""
+    if resume is not None:
+        assert kv is None  # refused where sessions enter (`Engine.generate`)
+        return (*resume.prefill(runtime, ids), None)
     n = len(ids)
     if kv is None or not kv.evicts(n):
         chunks, logits, state = runtime.prefill(runtime.new_state(), ids)

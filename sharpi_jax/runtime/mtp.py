@@ -186,24 +186,30 @@ class MTPRuntime:
                           with_q=with_q)
 
     def prefill(self, cache: MTPCache, ids: Sequence[int], chunks, zero_h_first: bool = False,
-                queries: list | None = None) -> MTPPrefill:
+                queries: list | None = None, start: int = 0, h_before: jax.Array | None = None) -> MTPPrefill:
         """Catch the MTP KV up over a trunk prefill of ids at positions 0.. (`chunks` = the trunk's
         [(hidden [B, D], n_valid)]): pairs (ids[p], h[p-1]) at MTP position p - 1 for p >= 1, or, with
         zero_h_first (llama.cpp), pairs (ids[p], h[p-1]) at position p including (ids[0], h = 0).
         Returns `MTPPrefill(cache, h of the last id, [(h' [B, D], rows valid)] per chunk)`. queries (a list):
-        receives ((q [B, Hq, hd],), rows valid) per MTP bucket (SnapKV)."""
+        receives ((q [B, Hq, hd],), rows valid) per MTP bucket (SnapKV).
+
+        start > 0 (a session's continuation, `session.Resume`): ids are trunk positions start.. of a
+        conversation whose rows before start are in `cache`, and h_before is h[start - 1]: the pairs
+        (ids[p], h[p-1]) from p = start on, the same rows a prefill from position 0 writes there."""
         n, out, off = len(ids), [], 0
-        h_prev = jnp.zeros((self.config.d_model,), jnp.float32)
+        shifted = zero_h_first or start > 0  # every id pairs with the hidden of the row before it
+        pos0 = start - (1 if start > 0 and not zero_h_first else 0)
+        h_prev = jnp.zeros((self.config.d_model,), jnp.float32) if h_before is None else h_before
         for hidden, m in chunks:
             B = hidden.shape[0]
-            if zero_h_first:
+            if shifted:
                 toks, hs, cnt = ids[off:off + m], _shift_rows(h_prev, hidden), m
             else:
                 toks, hs, cnt = ids[off + 1:off + m + 1], hidden, min(m, n - 1 - off)
             if cnt > 0:
                 bucket = np.zeros(B, np.int32)
                 bucket[:cnt] = toks[:cnt]
-                hp, cache, q = self.rows(cache, bucket, hs, off, cnt, with_q=queries is not None)
+                hp, cache, q = self.rows(cache, bucket, hs, pos0 + off, cnt, with_q=queries is not None)
                 out.append((hp, cnt))
                 if queries is not None:
                     queries.append((q, cnt))

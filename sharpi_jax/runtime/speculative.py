@@ -150,7 +150,8 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                  verify: str = "batched", width: int | None = None, full_rows: bool = False,
                  trace: list | None = None, zero_h_first: bool = False, kv: SnapKV | None = None,
-                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None, p_min: float | None = None) -> Generation:
+                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None, p_min: float | None = None,
+                 resume=None) -> Generation:
     """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments
     (kv: the same SnapKV eviction; mtp_kv: evict the MTP head's KV too, or keep it whole).
 
@@ -166,6 +167,7 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
     capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
     dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first, kv, capacity, mtp_kv,
                      vocab, p_min)
+    dec.resume = resume  # a session's continued prefill (`session.Resume`)
     out, stats, _ = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_position", t0)
     return Generation(out, {**stats, "speculative": "mtp", "draft_tokens": dec.k, "verify": verify,
                             "draft_vocab": None if vocab is None else vocab.size, "draft_p_min": p_min,

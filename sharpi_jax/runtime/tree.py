@@ -178,7 +178,7 @@ class TreeDecoder(Decoder):
 def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                   sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                   tree_nodes: int = 8, verify: str = "batched", trace: list | None = None,
-                  max_snapshot_bytes: int | None = None, kv: SnapKV | None = None) -> Generation:
+                  max_snapshot_bytes: int | None = None, kv: SnapKV | None = None, resume=None) -> Generation:
     """Tree speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
 
     stats: those of `generate_ids` plus speculative ("mtp_tree"), draft_tokens (depth), tree_nodes
@@ -192,6 +192,7 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     t0 = time.perf_counter()
     dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes, kv=kv,
                       kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context))
+    dec.resume = resume  # a session's continued prefill (`session.Resume`)
     out, stats, passes = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_depth", t0)
     return Generation(out, {**stats, "speculative": "mtp_tree", "draft_tokens": dec.k, "tree_nodes": dec.n_nodes,
                             "verify": verify, "drafted_nodes": [n for n, _, _ in passes],
