@@ -23,6 +23,47 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        "batch_matmul_rows_misplaced",
+        "generate_batch: one ggml call over every sequence's valid rows, each sequence bitwise its own run",
+        "sharpi_jax/quant/ggml.py",
+        (("        out = jnp.zeros_like(y).at[order].set(y)\n",
+          "        out = jnp.zeros_like(y).at[jnp.sort(order)].set(y)  # MUTATION: rows back in gathered order\n"),),
+        ("tests/runtime/test_batch.py::test_batched_matmul_is_one_call_of_the_valid_rows",),
+        ("tests/runtime/test_batch.py",),
+    ),
+    Mutation(
+        "batch_stopped_sequence_keeps_its_rows",
+        "generate_batch: a stopped sequence's rows are padding that reads no expert",
+        "sharpi_jax/model/moe.py",
+        (("    return jnp.where(valid[..., None], sel, first), True\n",
+          "    return jnp.where(valid[..., None], sel, sel[:, :1]), True  # MUTATION: its own row 0's experts\n"),),
+        ("tests/runtime/test_batch.py::test_padding_route_batched",),
+    ),
+    Mutation(
+        "batch_shared_seed",
+        "generate_batch: each sequence samples with its own seed",
+        "sharpi_jax/runtime/batch.py",
+        (("    rows = [traced_params(dataclasses.replace(sampling, seed=int(s))) for s in seeds]\n",
+          "    rows = [traced_params(sampling) for s in seeds]  # MUTATION: one seed for all\n"),),
+        ("tests/runtime/test_batch.py", "-k", "test_engine_generate_batch"),
+    ),
+    Mutation(
+        "session_kept_state_off_bucket_boundary",
+        "sessions: a turn equals a fresh generate over the whole conversation, bit for bit",
+        "sharpi_jax/runtime/session.py",
+        (("        cut = n0 + L * ((len(ids) - n0 - 1) // L)",
+          "        cut = n0 + (L // 2) * ((len(ids) - n0 - 1) // (L // 2))  # MUTATION: half-bucket boundaries"),),
+        ("tests/runtime/test_session.py", "-k", "test_continued_prefill_is_bitwise_one_prefill"),
+    ),
+    Mutation(
+        "session_mtp_rows_shifted",
+        "sessions: the MTP head's KV is kept in step (MTP turns equal fresh ones)",
+        "sharpi_jax/runtime/mtp.py",
+        (("        pos0 = start - (1 if start > 0 and not zero_h_first else 0)\n",
+          "        pos0 = start  # MUTATION: continued MTP rows one position late\n"),),
+        ("tests/runtime/test_session.py", "-k", "test_continued_prefill_is_bitwise_one_prefill"),
+    ),
+    Mutation(
         "draft_p_min_device_verifies_uncut_chain",
         "draft_p_min: a pass verifies only the drafts made; device loop == host loop pass for pass",
         "sharpi_jax/runtime/device_loop.py",

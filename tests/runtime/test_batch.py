@@ -162,11 +162,11 @@ def test_batched_matmul_is_one_call_of_the_valid_rows():
     raw = jnp.asarray(np.frombuffer(rng.bytes(N * 144), np.uint8).reshape(N, 144))  # Q4_K blocks
     raw = raw.at[:, :4].set(jnp.asarray(np.tile(np.frombuffer(np.float16([0.01, 0.002]).tobytes(), np.uint8),
                                                 (N, 1))))
-    x = jnp.asarray(rng.standard_normal((3, 4, K)), jnp.float32)
-    rows = jnp.array([4, 1, 0], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((4, 4, K)), jnp.float32)
+    rows = jnp.array([1, 4, 0, 2], jnp.int32)  # valid rows interleaved with padding
     f = jax.jit(jax.vmap(lambda a, r: ggml.matmul(a, raw, 12, r)))
     y = np.asarray(f(x, rows))
-    for b in range(3):
+    for b in range(4):
         ref = np.asarray(ggml.matmul(x[b], raw, 12, rows[b]))
         assert_bitwise_equal(y[b], ref)
         assert not np.any(y[b, int(rows[b]):].view(np.uint32))  # +0.0
