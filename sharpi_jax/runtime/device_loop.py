@@ -16,7 +16,6 @@ of max_context and, on a SnapKV-compacted cache, of its slots (as `decoder.Decod
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Collection, Sequence
 
@@ -65,15 +64,29 @@ def _stop_code(tok, eos, n_out, max_new):
     return jnp.where(jnp.any(tok == eos), 1, jnp.where(n_out == max_new, 2, 0)).astype(jnp.int32)
 
 
-def _batched(run, in_axes, out_axes, static: tuple[str, ...]):
-    """`run` over a batch of sequences (`runtime.batch`): jax.vmap over the per-sequence arguments
-    (in_axes 0; None: shared), the static arguments bound first. The while loop runs until every
-    sequence has stopped; a stopped sequence's carry is kept, and its steps run as padding rows."""
+# Carry fields a stopped sequence of a batch may let go stale: the big state, never read after it stops.
+_STALE_OK = frozenset({"cache", "state", "mtp_cache", "snaps"})
 
-    def batched(*args, **kw):
-        return jax.vmap(functools.partial(run, **kw), in_axes=in_axes, out_axes=out_axes)(*args)
 
-    return jax.jit(batched, static_argnames=static)
+def _drive(init, body, fin, per_seq: tuple, batch: bool):
+    """The generation loop: carry = init(*per_seq), then body while carry["stop"] == 0, then fin(carry).
+
+    batch (a batch of sequences, `runtime.batch`; per_seq arrays with a leading sequence axis): init, body
+    and fin run under jax.vmap, and the loop runs while any sequence is live. A stopped sequence's body
+    runs with `live` False (its rows are padding rows) and only its small fields are held (a select per
+    field); the big state (_STALE_OK) is left as the padding step leaves it, as nothing reads it after
+    the stop. (vmap of a while_loop would instead select the whole carry, KV caches and GDN snapshots
+    included, every step.)"""
+    if not batch:
+        return fin(jax.lax.while_loop(lambda c: c["stop"] == 0, body, init(*per_seq)))
+
+    def step(c):
+        new, live = jax.vmap(body)(c), c["stop"] == 0
+        hold = lambda a, b: jnp.where(live.reshape(live.shape + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        return {k: v if k in _STALE_OK else jax.tree.map(hold, v, c[k]) for k, v in new.items()}
+
+    c = jax.lax.while_loop(lambda c: jnp.any(c["stop"] == 0), step, jax.vmap(init)(*per_seq))
+    return jax.vmap(fin)(c)
 
 
 @derived_cache
@@ -81,28 +94,28 @@ def _plain_fn(decode, batch: bool = False):
     """The jitted decode loop over one model graph's `decode` step (batch: over a batch of sequences)."""
 
     def run(params, cache, state, logits, pos, max_new, max_context, eos, sampling, out, greedy):
-        pick = _picker(greedy, sampling)
-        tok = pick(logits, jnp.int32(0))
-        stop = _stop_code(tok, eos, 1, max_new)
-        stop = jnp.where((stop == 0) & (pos >= max_context), 3, stop)
-        carry = (cache, state, pos, jnp.int32(0), tok, out.at[0].set(tok), stop)
+        def init(state, logits, pos, sampling, out):
+            tok = _picker(greedy, sampling)(logits, jnp.int32(0))
+            stop = _stop_code(tok, eos, 1, max_new)
+            stop = jnp.where((stop == 0) & (pos >= max_context), 3, stop)
+            return dict(cache=cache, state=state, pos=pos, i=jnp.int32(0), tok=tok, out=out.at[0].set(tok),
+                        stop=stop, sampling=sampling)
 
         def body(c):
-            cache, state, pos, i, tok, out, _ = c
-            step, cache = decode(params, cache, state, tok, pos, c[-1] == 0)
-            logits, state = step.logits, step.state
-            pos, i = pos + 1, i + 1
-            tok = pick(logits, i)
+            step, cache = decode(params, c["cache"], c["state"], c["tok"], c["pos"], c["stop"] == 0)
+            pos, i = c["pos"] + 1, c["i"] + 1
+            tok = _picker(greedy, c["sampling"])(step.logits, i)
             stop = _stop_code(tok, eos, i + 1, max_new)
             stop = jnp.where((stop == 0) & (pos >= max_context), 3, stop)
-            return cache, state, pos, i, tok, out.at[i].set(tok), stop
+            return dict(cache=cache, state=step.state, pos=pos, i=i, tok=tok, out=c["out"].at[i].set(tok),
+                        stop=stop, sampling=c["sampling"])
 
-        cache, state, pos, i, _, out, stop = jax.lax.while_loop(lambda c: c[-1] == 0, body, carry)
-        return out, i + 1, stop, pos, cache
+        def fin(c):  # c["cache"]: the residency cache, threaded through the steps (empty for a batch)
+            return c["out"], c["i"] + 1, c["stop"], c["pos"], c["cache"]
 
-    if batch:  # per sequence: state, logits, pos, sampling, out
-        return _batched(run, (None, None, 0, 0, 0, None, None, None, 0, 0), (0, 0, 0, 0, None), ("greedy",))
-    return jax.jit(run, donate_argnums=(1,), static_argnames=("greedy",))
+        return _drive(init, body, fin, (state, logits, pos, sampling, out), batch)
+
+    return jax.jit(run, donate_argnums=() if batch else (1,), static_argnames=("greedy",))
 
 
 def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
@@ -138,22 +151,24 @@ def _chain_fn(commit_verify, draft, batch: bool = False):
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, mtp_off, k, max_new, max_context,
             slot_room, eos, sampling, out, vocab, p_min, K, greedy):
-        pick = _picker(greedy, sampling)
-        D = h_last.shape[0]
-        tok = pick(logits, jnp.int32(0))
-        stop = _stop_code(tok, eos, 1, max_new)
-        stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
-        zi = jnp.int32(0)
-        counts = jnp.zeros((K + 1,), jnp.int32)  # per draft position i = 1..K (index 0 unused)
-        carry = dict(
-            cache=cache, state=state, mtp_cache=mtp_cache,
-            snaps=repeat_as_snapshots(state, K + 1), a_prev=zi,  # rollback of the previous pass (none yet)
-            vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
-            hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
-            stop=stop, passes=zi, drafted=zi, accepted=zi, tried=counts, hit=counts)
         rows = jnp.arange(K + 1, dtype=jnp.int32)
 
+        def init(state, mtp_cache, logits, h_last, P, sampling, out):
+            D = h_last.shape[0]
+            tok = _picker(greedy, sampling)(logits, jnp.int32(0))
+            stop = _stop_code(tok, eos, 1, max_new)
+            stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
+            zi = jnp.int32(0)
+            counts = jnp.zeros((K + 1,), jnp.int32)  # per draft position i = 1..K (index 0 unused)
+            return dict(
+                cache=cache, state=state, mtp_cache=mtp_cache,
+                snaps=repeat_as_snapshots(state, K + 1), a_prev=zi,  # rollback of the previous pass (none yet)
+                vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
+                hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
+                stop=stop, passes=zi, drafted=zi, accepted=zi, tried=counts, hit=counts, sampling=sampling)
+
         def body(c):
+            pick = _picker(greedy, c["sampling"])
             P, live = c["P"], c["stop"] == 0  # live False: a stopped sequence of a batch (padding rows)
             n_draft = jnp.minimum(k, jnp.minimum(max_context - 1 - P, slot_room - P))
             # MTP catch-up rows (the previous pass's certain token and accepted drafts), then t.
@@ -191,17 +206,16 @@ def _chain_fn(commit_verify, draft, batch: bool = False):
                 out=jax.lax.dynamic_update_slice(c["out"], target, (n_out,)), stop=stop.astype(jnp.int32),
                 passes=c["passes"] + 1, drafted=c["drafted"] + n_draft, accepted=c["accepted"] + a,
                 tried=c["tried"].at[1:].add((n_draft >= pos_i).astype(jnp.int32)),
-                hit=c["hit"].at[1:].add((a >= pos_i).astype(jnp.int32)))
+                hit=c["hit"].at[1:].add((a >= pos_i).astype(jnp.int32)), sampling=c["sampling"])
 
-        c = jax.lax.while_loop(lambda c: c["stop"] == 0, body, carry)
-        counts = dict(passes=c["passes"], drafted=c["drafted"], accepted=c["accepted"], tried=c["tried"][1:],
-                      hit=c["hit"][1:])
-        return c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"]
+        def fin(c):
+            counts = dict(passes=c["passes"], drafted=c["drafted"], accepted=c["accepted"], tried=c["tried"][1:],
+                          hit=c["hit"][1:])
+            return c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"]
 
-    if batch:  # per sequence: state, mtp_cache, logits, h_last, P, sampling, out
-        return _batched(run, (None, None, None, 0, 0, 0, 0, 0, None, None, None, None, None, None, 0, 0, None, None),
-                        (0, 0, 0, 0, 0, None), ("K", "greedy"))
-    return jax.jit(run, donate_argnums=(1,), static_argnames=("K", "greedy"))
+        return _drive(init, body, fin, (state, mtp_cache, logits, h_last, P, sampling, out), batch)
+
+    return jax.jit(run, donate_argnums=() if batch else (1,), static_argnames=("K", "greedy"))
 
 
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
@@ -250,28 +264,32 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
 @derived_cache
 def _tree_fn(tree_commit_verify, root, level, batch: bool = False):
     """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls
-    (batch: over a batch of sequences; a stopped sequence's passes still compute)."""
+    (batch: over a batch of sequences; a stopped sequence's passes still compute, their rows not padding)."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, slot_room, eos,
             sampling, out, K, N, c, greedy):
-        pick = _picker(greedy, sampling)
-        T, D = N + 1, h_last.shape[0]
-        S = mtp_cache.end_position()  # where the MTP cache's slots end, as a position (as the host drafter)
-        tok = pick(logits, jnp.int32(0))
-        stop = _stop_code(tok, eos, 1, max_new)
-        stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
-        zi = jnp.int32(0)
-        rec = jnp.zeros((out.shape[0],), jnp.int32)  # per pass: nodes, depth, accepted
-        carry = dict(
-            cache=cache, state=state, mtp_cache=mtp_cache, snaps=repeat_as_snapshots(state, T), node=zi,
-            prev=zi, path=jnp.zeros((T,), jnp.int32), n_path=zi,  # commit of the previous pass (none yet)
-            vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
-            hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
-            stop=stop, passes=zi, nodes=rec, depth=rec, acc=rec)
+        T = N + 1
+        one = jax.tree.map(lambda a: a[0], mtp_cache) if batch else mtp_cache  # one sequence's cache (shapes)
+        S = one.end_position()  # where the MTP cache's slots end, as a position (as the host drafter)
         rows = jnp.arange(T, dtype=jnp.int32)
         krows = jnp.arange(K + 1, dtype=jnp.int32)
 
+        def init(state, mtp_cache, logits, h_last, P, sampling, out):
+            D = h_last.shape[0]
+            tok = _picker(greedy, sampling)(logits, jnp.int32(0))
+            stop = _stop_code(tok, eos, 1, max_new)
+            stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
+            zi = jnp.int32(0)
+            rec = jnp.zeros((out.shape[0],), jnp.int32)  # per pass: nodes, depth, accepted
+            return dict(
+                cache=cache, state=state, mtp_cache=mtp_cache, snaps=repeat_as_snapshots(state, T), node=zi,
+                prev=zi, path=jnp.zeros((T,), jnp.int32), n_path=zi,  # commit of the previous pass (none yet)
+                vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
+                hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
+                stop=stop, passes=zi, nodes=rec, depth=rec, acc=rec, sampling=sampling)
+
         def body(c_):
+            pick = _picker(greedy, c_["sampling"])
             P = c_["P"]
             n_nodes = jnp.minimum(N, jnp.minimum(max_context - 1 - P, slot_room - P))
             depth = jnp.minimum(K, n_nodes)
@@ -308,16 +326,15 @@ def _tree_fn(tree_commit_verify, root, level, batch: bool = False):
                 n_out=n_out + jnp.where(any_stop, j + 1, a + 1),
                 out=jax.lax.dynamic_update_slice(c_["out"], emit, (n_out,)), stop=stop.astype(jnp.int32),
                 passes=i + 1, nodes=c_["nodes"].at[i].set(n - 1), depth=c_["depth"].at[i].set(jnp.max(tdepth)),
-                acc=c_["acc"].at[i].set(a))
+                acc=c_["acc"].at[i].set(a), sampling=c_["sampling"])
 
-        c_ = jax.lax.while_loop(lambda c_: c_["stop"] == 0, body, carry)
-        counts = dict(passes=c_["passes"], nodes=c_["nodes"], depth=c_["depth"], acc=c_["acc"])
-        return c_["out"], c_["n_out"], c_["stop"], c_["P"], counts, c_["cache"]
+        def fin(c_):
+            counts = dict(passes=c_["passes"], nodes=c_["nodes"], depth=c_["depth"], acc=c_["acc"])
+            return c_["out"], c_["n_out"], c_["stop"], c_["P"], counts, c_["cache"]
 
-    if batch:  # per sequence: state, mtp_cache, logits, h_last, P, sampling, out
-        return _batched(run, (None, None, None, 0, 0, 0, 0, 0, None, None, None, None, 0, 0),
-                        (0, 0, 0, 0, 0, None), ("K", "N", "c", "greedy"))
-    return jax.jit(run, donate_argnums=(1,), static_argnames=("K", "N", "c", "greedy"))
+        return _drive(init, body, fin, (state, mtp_cache, logits, h_last, P, sampling, out), batch)
+
+    return jax.jit(run, donate_argnums=() if batch else (1,), static_argnames=("K", "N", "c", "greedy"))
 
 
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
