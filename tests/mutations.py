@@ -32,6 +32,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_batch.py",),
     ),
     Mutation(
+        "batch_stopped_sequence_not_held",
+        "generate_batch: a sequence that stops (EOS mid-batch) keeps its tokens while the others go on",
+        "sharpi_jax/runtime/device_loop.py",
+        (("        return {k: v if k in _STALE_OK else jax.tree.map(hold, v, c[k]) for k, v in new.items()}\n",
+          "        return {k: v if k in _STALE_OK or k == \"i\" else jax.tree.map(hold, v, c[k])  # MUTATION\n"
+          "                for k, v in new.items()}\n"),),
+        ("tests/runtime/test_batch.py", "-k", "test_batch_of_three_equals_alone_with_eos_mid_batch and greedy-plain"),
+    ),
+    Mutation(
         "batch_stopped_sequence_keeps_its_rows",
         "generate_batch: a stopped sequence's rows are padding that reads no expert",
         "sharpi_jax/model/moe.py",

@@ -10,9 +10,11 @@ row-stable (a row's bits depend only on its own activation row), and every other
 so with kernels="ggml" each sequence's tokens are bitwise those of generating it alone, greedy and seeded
 (`tests/runtime/test_batch.py`). On XLA and Pallas, a vmapped dot_general may change the last bits.
 
-A sequence that has stopped keeps its carry while the others go on; its next steps run as padding rows
-(no product row, no expert read: `moe.padding_route` routes them like the batch's first valid row) for
-MTP off and the chain; the tree's passes of a stopped sequence still compute.
+The loop runs while any sequence is live (`device_loop._drive`). A sequence that has stopped keeps its
+tokens, counts and position (held by a select per small field) while the others go on; its next steps
+run as padding rows (no product row, no expert read: `moe.padding_route` routes them like the batch's
+first valid row) for MTP off and the chain, and its big state (KV, GDN, snapshots) goes stale unread;
+the tree's passes of a stopped sequence still compute.
 """
 
 from __future__ import annotations
