@@ -124,6 +124,10 @@ COMMANDS = {
         "--gguf=default", "--reference=sharpi_jax/assets/default-F32.gguf", "--ctx=32", "--chunks=4", "--batch=4",
         "--buckets=3", f"--out={t / 'ppl.json'}"]),
     "test_perplexity_bad_corpus": ("perplexity", lambda t: ["--corpus=nope"]),
+    "test_bench_batch": ("bench_batch", lambda t: [
+        "--batches=1,2", "--prompt_tokens=8", "--decode_tokens=3", "--repeats=1", f"--json_out={t / 'batch.json'}"]),
+    "test_bench_session": ("bench_session", lambda t: [
+        "--first=300", "--turn=10", "--turns=1", "--reply=3", "--repeats=1", f"--json_out={t / 'session.json'}"]),
     "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
         "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
@@ -281,6 +285,23 @@ def test_twin(runs, request):
         c = read_model_config(f)
         assert (c.n_layer, c.n_vocab, c.n_expert) == (6, 2100, 16)
         assert len(f.metadata["tokenizer.ggml.tokens"]) == 2100
+
+
+def test_bench_batch(runs, request):
+    tmp, res = result(runs, request)
+    assert "speculative=off: aggregate decode tok/s" in ok(res).stdout
+    recs = json.loads((tmp / "batch.json").read_text())["records"]
+    assert [r["B"] for r in recs] == [1, 2] and all(r["ours_median"] > 0 for r in recs)
+
+
+def test_bench_session(runs, request):
+    """Turn 1 prefills only what follows the kept state (the bucket boundary at 256) and gives the fresh
+    generate's tokens."""
+    tmp, res = result(runs, request)
+    ok(res)
+    recs = json.loads((tmp / "session.json").read_text())
+    assert [(r["tokens"], r["prefilled"]) for r in recs] == [(300, 300), (313, 313 - 256)]
+    assert all(r["same_tokens"] for r in recs)
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
