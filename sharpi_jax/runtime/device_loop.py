@@ -64,6 +64,13 @@ def _stop_code(tok, eos, n_out, max_new):
     return jnp.where(jnp.any(tok == eos), 1, jnp.where(n_out == max_new, 2, 0)).astype(jnp.int32)
 
 
+def _first_token(greedy: bool, sampling, logits, pos, eos, max_new, max_context):
+    """(the token after the prefill, its stop code: EOS, max_new_tokens, then the context end at pos)."""
+    tok = _picker(greedy, sampling)(logits, jnp.int32(0))
+    stop = _stop_code(tok, eos, 1, max_new)
+    return tok, jnp.where((stop == 0) & (pos >= max_context), 3, stop)
+
+
 # Carry fields a stopped sequence of a batch may let go stale: the big state, never read after it stops.
 _STALE_OK = frozenset({"cache", "state", "mtp_cache", "snaps"})
 
@@ -95,9 +102,7 @@ def _plain_fn(decode, batch: bool = False):
 
     def run(params, cache, state, logits, pos, max_new, max_context, eos, sampling, out, greedy):
         def init(state, logits, pos, sampling, out):
-            tok = _picker(greedy, sampling)(logits, jnp.int32(0))
-            stop = _stop_code(tok, eos, 1, max_new)
-            stop = jnp.where((stop == 0) & (pos >= max_context), 3, stop)
+            tok, stop = _first_token(greedy, sampling, logits, pos, eos, max_new, max_context)
             return dict(cache=cache, state=state, pos=pos, i=jnp.int32(0), tok=tok, out=out.at[0].set(tok),
                         stop=stop, sampling=sampling)
 
@@ -155,9 +160,7 @@ def _chain_fn(commit_verify, draft, batch: bool = False):
 
         def init(state, mtp_cache, logits, h_last, P, sampling, out):
             D = h_last.shape[0]
-            tok = _picker(greedy, sampling)(logits, jnp.int32(0))
-            stop = _stop_code(tok, eos, 1, max_new)
-            stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
+            tok, stop = _first_token(greedy, sampling, logits, P, eos, max_new, max_context)
             zi = jnp.int32(0)
             counts = jnp.zeros((K + 1,), jnp.int32)  # per draft position i = 1..K (index 0 unused)
             return dict(
@@ -276,9 +279,7 @@ def _tree_fn(tree_commit_verify, root, level, batch: bool = False):
 
         def init(state, mtp_cache, logits, h_last, P, sampling, out):
             D = h_last.shape[0]
-            tok = _picker(greedy, sampling)(logits, jnp.int32(0))
-            stop = _stop_code(tok, eos, 1, max_new)
-            stop = jnp.where((stop == 0) & (P >= max_context), 3, stop)
+            tok, stop = _first_token(greedy, sampling, logits, P, eos, max_new, max_context)
             zi = jnp.int32(0)
             rec = jnp.zeros((out.shape[0],), jnp.int32)  # per pass: nodes, depth, accepted
             return dict(

@@ -27,6 +27,7 @@ from sharpi_jax.runtime.options import GenerateOptions
 from sharpi_jax.runtime.sampling import SamplingParams
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, load_references
+from tests.runtime.test_device_loop import VARIANTS  # every fixture file
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
@@ -36,9 +37,6 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n   
            "x = [1, 2,", "for i in range(10):\n    print(i)\n\ndef main(argv):\n    return", "#",
            "class Node:\n    def __init__(self, value, children=None):\n        self.value = value\n",
            "with open(path) as f:\n", "try:\n    import numpy as np\nexcept ImportError:\n"]
-VARIANTS = [("tiny-qwen35moe", v) for v in ("F32", "BF16", "Q8_0", "Q4_K_M")] + \
-           [("tiny-qwen35", v) for v in ("F32", "Q8_0", "Q4_K_M")] + \
-           [("tiny-qwen3next", v) for v in ("F32", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
