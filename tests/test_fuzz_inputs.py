@@ -17,19 +17,11 @@ import sharpi_jax as sj
 from sharpi_jax.errors import SharpiError
 from sharpi_jax.gguf import GGUFFile, chat
 from tests.conftest import fixture_path
-from tests.gguf.test_fuzz import _exercise
+from tests.gguf.test_fuzz import _Hang, _alarm, _exercise
 from tests.gguf.test_split import write_split
 
 SEED_FILE = ("tiny-qwen35moe", "tiny-qwen35moe-Q8_0.gguf")
 CASE_TIMEOUT_S = 20
-
-
-class _Hang(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Hang()
 
 
 def _run(label: str, fn) -> str:
