@@ -65,6 +65,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_session.py", "-k", "test_continued_prefill_is_bitwise_one_prefill"),
     ),
     Mutation(
+        "decode_step_keeps_the_state_before_the_row",
+        "decode steps (the GDN loop without snapshots) equal a verify pass row by row, state included",
+        "sharpi_jax/model/gated_delta_net.py",
+        (("            conv, S, o = jax.lax.fori_loop(0, n, step, (conv_state, ssm_state, o))\n",
+          "            _, _, o = jax.lax.fori_loop(0, n, step, (conv_state, ssm_state, o))  # MUTATION: state not advanced\n"
+          "            conv, S = conv_state, ssm_state\n"),),
+        ("tests/runtime/test_speculative.py", "-k", "test_batched_verify_bitwise_equals_sequential"),
+    ),
+    Mutation(
         "session_mtp_rows_shifted",
         "sessions: the MTP head's KV is kept in step (MTP turns equal fresh ones)",
         "sharpi_jax/runtime/mtp.py",

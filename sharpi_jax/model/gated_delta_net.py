@@ -199,11 +199,14 @@ class GatedDeltaNet(nnx.Module):
         return window[1:], S, o
 
     def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array, parent: jax.Array | None = None,
-                  rows: jax.Array | None = None):
+                  rows: jax.Array | None = None, snapshots: bool = True):
         """Token-by-token form. x [T, D] -> (out [T, D], conv snapshots [T, Kc-1, C], ssm snapshots
         [T, Hv, dv, dk]); snapshot t is the state right after token t. parent [T] (draft-tree rows,
         parent[t] < t): row t starts from snapshot parent[t] (-1: the given state) instead of row t-1's.
-        rows: only rows [0, rows) are needed (bucket padding after them: their projections may be +0.0)."""
+        rows: only rows [0, rows) are needed (bucket padding after them: their projections may be +0.0).
+        snapshots False (a chain whose last row's state is all that is kept, e.g. a decode step): the
+        loop carries the state only and returns (out, conv, ssm) after the last computed row; the same
+        per-row operations, without writing T snapshots (2 MB a row on the 35B shapes)."""
         qkv, z, beta, g = self._project(x, rows)
         T = qkv.shape[0]
         # The loop runs rows [0, rows) only: a padding row's recurrence (~1 ms on the 35B shapes) is not
@@ -212,10 +215,21 @@ class GatedDeltaNet(nnx.Module):
         # into straight-line code with other fusions (other bits) than the verify bucket's loop.
         n = jax.lax.optimization_barrier(jnp.asarray(T if rows is None else rows, jnp.int32))
         o = jnp.zeros((T,) + z.shape[1:], jnp.float32)
-        snaps = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype),
-                 jnp.zeros((T,) + ssm_state.shape, ssm_state.dtype))
         at = functools.partial(jax.lax.dynamic_index_in_dim, keepdims=False)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, axis=0)
+        if not snapshots:
+            if parent is not None:
+                raise ValueError("draft-tree rows need their snapshots")
+
+            def step(t, carry):
+                conv, S, o = carry
+                conv, S, o_t = self._token(conv, S, at(qkv, t), at(beta, t), at(g, t))
+                return conv, S, put(o, o_t, t)
+
+            conv, S, o = jax.lax.fori_loop(0, n, step, (conv_state, ssm_state, o))
+            return self._finish(o, z, rows), conv, S
+        snaps = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype),
+                 jnp.zeros((T,) + ssm_state.shape, ssm_state.dtype))
 
         def body(t, carry):
             conv, S, o, (conv_snaps, ssm_snaps) = carry
@@ -252,7 +266,6 @@ class GatedDeltaNet(nnx.Module):
 
     def sequential(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,
                    ssm_state: jax.Array):
-        """The recurrent form with the chunked form's signature (for cross-checking the two)."""
-        out, conv_snaps, ssm_snaps = self.recurrent(x, conv_state, ssm_state, rows=n_valid)
-        i = jnp.maximum(n_valid - 1, 0)
-        return out, conv_snaps[i], ssm_snaps[i]
+        """The recurrent form with the chunked form's signature: the state after the last valid row (a
+        decode step; and the cross-check of the two forms)."""
+        return self.recurrent(x, conv_state, ssm_state, rows=n_valid, snapshots=False)

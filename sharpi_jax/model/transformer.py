@@ -7,8 +7,9 @@ so the trunk's state is a tuple of per-layer caches in trunk order.
 Two forward forms share every layer except the GDN kernel (the block's `mode`):
 - `prefill`: a bucket of rows with the chunked GDN form (fast); returns the final-normed hidden rows.
 - `rows`: T rows with the recurrent GDN form, one token per scan step; returns logits, final-normed
-  hidden rows and the per-row GDN snapshots. Single-token decode is `rows` on a 2-row bucket (row 1 is
-  inert padding) so that every matmul has M >= 2 rows: on XLA CPU an M = 1 product uses a different
+  hidden rows and the per-row GDN snapshots. Single-token decode is `step` (`rows` keeping only the
+  state after the row, no snapshots) on a 2-row bucket (row 1 is inert padding) so that every matmul
+  has M >= 2 rows: on XLA CPU an M = 1 product uses a different
   kernel and differs in the last bits, while rows of M >= 2 products are independent of the batch.
   Hence a T-row verify and T single-token decodes agree bit for bit, row by row.
 """
@@ -33,7 +34,8 @@ from sharpi_jax.quant import QTensor
 
 # How a block runs its GDN mixer: "chunked" (prefill: the chunked WY form, state after the last valid
 # row), "recurrent" (verify / decode: one token per scan step, the state left as it was and a snapshot
-# after every row returned), "sequential" (the recurrent kernel with prefill semantics, for checks).
+# after every row returned), "sequential" (the recurrent kernel with prefill semantics: the state after the
+# last valid row, no snapshots; a decode step, and the check of the chunked form).
 BLOCK_MODES = ("chunked", "recurrent", "sequential")
 
 
@@ -174,3 +176,10 @@ class Transformer(nnx.Module):
         start + tree.depth (`sharpi_jax.model.tree`); None: a chain at start, start + 1, ..."""
         hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent", tree)
         return self.lm_head(hidden, n_valid), hidden, state, snapshots
+
+    def step(self, state, tokens, start, n_valid):
+        """`rows` for a decode step (row 0 valid, row 1 padding; n_valid 0: no row), keeping only the state
+        after the valid rows: the GDN loop carries the state, not a snapshot per row. Each row's
+        operations are those of `rows`, so the bits are too. Returns (logits [T, V], hidden [T, D], state)."""
+        hidden, state, _ = self._trunk(state, tokens, start, n_valid, "sequential")
+        return self.lm_head(hidden, n_valid), hidden, state

@@ -2,7 +2,8 @@
 
 - `prefill`: a bucket of B prompt rows with the chunked GDN form; one compile per bucket size.
 - `decode_step`: one token with the recurrent GDN form, run as a 2-row bucket (row 1 is inert padding:
-  its KV write is dropped, it reuses row 0's experts with zero weight, its GDN snapshot is discarded).
+  its KV write is dropped, it reads no expert, its GDN row is not computed); the GDN loop keeps the
+  state after the row, with no per-row snapshot.
 - `verify_step`: T >= 2 tokens with the recurrent form, returning logits and final-normed hidden rows
   for every row plus the GDN snapshots after every row; `commit` selects one snapshot (rollback).
 For every row, `verify_step` logits/hidden/snapshots are bitwise those of T successive `decode_step`s
@@ -131,8 +132,8 @@ def _step_fns(graph: Graph) -> dict:
         # step computes no product row and reads no expert; its results are discarded.
         model = merge(params, cache)
         tokens = jnp.stack([token, token])
-        logits, hidden, state, snaps = model.rows(state, tokens, pos, jnp.asarray(live, jnp.int32))
-        return Step(logits[0], hidden[0], select_snapshot(state, snaps, 0)), cache_out(model)
+        logits, hidden, state = model.step(state, tokens, pos, jnp.asarray(live, jnp.int32))
+        return Step(logits[0], hidden[0], state), cache_out(model)
 
     def verify(params, cache, state, tokens, pos, n_valid):
         model = merge(params, cache)

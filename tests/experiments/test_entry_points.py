@@ -128,6 +128,8 @@ COMMANDS = {
         "--batches=1,2", "--prompt_tokens=8", "--decode_tokens=3", "--repeats=1", f"--json_out={t / 'batch.json'}"]),
     "test_bench_session": ("bench_session", lambda t: [
         "--first=300", "--turn=10", "--turns=1", "--reply=3", "--repeats=1", f"--json_out={t / 'session.json'}"]),
+    "test_profile_step": ("profile_step", lambda t: [
+        "--rows=3", "--steps=2", "--prompt_tokens=8", "--max_context=64", f"--json_out={t / 'prof.json'}"]),
     "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
         "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
@@ -302,6 +304,17 @@ def test_bench_session(runs, request):
     recs = json.loads((tmp / "session.json").read_text())
     assert [(r["tokens"], r["prefilled"]) for r in recs] == [(300, 300), (313, 313 - 256)]
     assert all(r["same_tokens"] for r in recs)
+
+
+def test_profile_step(runs, request):
+    """A verify pass of 3 rows: its ops' self times, the ggml products named by their shapes (3 rows)."""
+    tmp, res = result(runs, request)
+    assert "verify pass of 3 rows" in ok(res).stdout
+    rec = json.loads((tmp / "prof.json").read_text())
+    assert rec["rows"] == 3 and len(rec["wall_ms"]) == 2 and 0 < rec["ops_ms"]
+    ops = [r["op"] for r in rec["table"]]
+    assert any(op.startswith("ggml matmul [3 x ") for op in ops), ops
+    assert any(op.startswith("ggml experts [3 x ") for op in ops), ops
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
