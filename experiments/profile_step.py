@@ -1,9 +1,11 @@
 """Where one decode step (or one w-row verify pass) spends its time: a JAX profiler trace of warm steps,
 each XLA op's self time (its own duration less the ops nested in it, e.g. a while loop's body), grouped
-as ggml products (by the product: weight rows x activation rows), ggml routed experts, and the rest of
+as ggml products (by the product: activation rows x weight rows), ggml routed experts, and the rest of
 XLA's ops by kind; beside the step's wall time, so the time in no op (dispatch, gaps between ops,
-waiting for the op's threads) shows as the remainder. Issue 31's deliverable 3: find what costs more
-than its bytes.
+waiting for the op's threads) shows as the remainder; and the process's minor page faults and system
+CPU per step (a buffer XLA allocates afresh each step is faulted in page by page). Ops that XLA runs
+concurrently overlap, so their self times may add up to more than the wall time. Finds what costs
+more than its bytes.
 
     python -m experiments.profile_step --model=/work/twin/twin-research-40L-Q4_K_M.gguf --rows=1
 
@@ -18,6 +20,7 @@ import glob
 import gzip
 import json
 import re
+import resource
 import statistics
 import tempfile
 import time
@@ -119,11 +122,13 @@ def main(argv) -> int:
     walls = []
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         for _ in range(FLAGS.steps):
             t0 = time.perf_counter()
             state = step(state)
             jax.block_until_ready(state)
             walls.append(1e3 * (time.perf_counter() - t0))
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
         jax.profiler.stop_trace()
         trace = sorted(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))[-1]
         events = json.load(gzip.open(trace))
@@ -141,6 +146,9 @@ def main(argv) -> int:
     rows = sorted(per_kind.items(), key=lambda kv: -kv[1][1])
     print(f"{path.name}: {'decode step' if w == 1 else f'verify pass of {w} rows'}, median wall {wall:.2f} ms "
           f"[{min(walls):.2f}-{max(walls):.2f}] over {n} steps (profiled)")
+    faults = (r1.ru_minflt - r0.ru_minflt) / n
+    print(f"process per step: {faults:.0f} minor page faults (fresh pages of new buffers), "
+          f"{1e3 * (r1.ru_stime - r0.ru_stime) / n:.1f} ms system CPU, {1e3 * (r1.ru_utime - r0.ru_utime) / n:.1f} ms user CPU")
     print(f"ops executed per step: {sum(v[0] for v in per_kind.values()) / n:.0f}; their self time "
           f"{total:.2f} ms; wall less that: {wall - total:.2f} ms")
     print(f"{'ms/step':>8} {'%wall':>6} {'calls':>6}  op")
@@ -154,7 +162,8 @@ def main(argv) -> int:
           if len(rows) > FLAGS.top else "")
     if FLAGS.json_out:
         Path(FLAGS.json_out).write_text(json.dumps({"model": str(path), "rows": w, "wall_ms": walls,
-                                                    "ops_ms": total, "table": table}, indent=1))
+                                                    "ops_ms": total, "minor_faults": faults, "table": table},
+                                                   indent=1))
     return 0
 
 

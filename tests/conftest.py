@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,34 @@ def missing_fixtures_message() -> str | None:
     return (f"reference fixtures missing: {missing}. They are required under CI=true (every comparison with "
             f"transformers and llama.cpp needs them): put the shared fixtures at ../shared/fixtures beside "
             f"the repo, or point SHARPI_FIXTURES at them.")
+
+
+_COMPILATION_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    """One JAX compilation cache for the session, in a fresh temporary directory removed at its end,
+    shared by the tests and the entry-point subprocesses they start (through the environment): a
+    program compiled again (another engine of the same model, another test module after
+    `_release_compiled_code`, another process) is loaded instead of compiled, which is most of a
+    test's set-up time. The cache key is the program, the compile options, the backend and the jax
+    version, so a hit is the executable a compile would give. A JAX_COMPILATION_CACHE_DIR already set
+    is used as it is (and kept)."""
+    global _COMPILATION_CACHE
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _COMPILATION_CACHE = tempfile.mkdtemp(prefix="sharpi-jax-tests-xla-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+def pytest_unconfigure(config):
+    if _COMPILATION_CACHE is not None:
+        shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 
 
 def pytest_sessionstart(session):
