@@ -22,6 +22,7 @@ import json
 import re
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -97,9 +98,21 @@ def self_times(events: list[dict]) -> list[tuple[str, float]]:
 def main(argv) -> int:
     del argv
     import sharpi_jax as sj
+    from sharpi_jax.errors import SharpiError
 
-    path = resolve_model(FLAGS.model)
-    engine = sj.load(path, max_context=FLAGS.max_context)
+    if FLAGS.rows < 1 or FLAGS.steps < 1 or FLAGS.prompt_tokens < 1:
+        print("error: --rows, --steps and --prompt_tokens must be at least 1", file=sys.stderr)
+        return 2
+    if FLAGS.prompt_tokens + FLAGS.rows > FLAGS.max_context:
+        print(f"error: --prompt_tokens + --rows ({FLAGS.prompt_tokens + FLAGS.rows}) exceed --max_context "
+              f"({FLAGS.max_context})", file=sys.stderr)
+        return 2
+    try:
+        path = resolve_model(FLAGS.model)
+        engine = sj.load(path, max_context=FLAGS.max_context)
+    except (SharpiError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rt = engine.runtime
     ids = np.resize(np.arange(100, 100 + FLAGS.prompt_tokens, dtype=np.int32), FLAGS.prompt_tokens).tolist()
     _, _, state = rt.prefill(rt.new_state(), ids)

@@ -249,9 +249,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "decode_m1_lm_head",
         "batched verify bitwise == single-token decode (every product through the row-stable M >= 2 path)",
         "sharpi_jax/runtime/steps.py",
-        (("        return Step(logits[0], hidden[0], select_snapshot(state, snaps, 0)), cache_out(model)\n",
+        (("        return Step(logits[0], hidden[0], state), cache_out(model)\n",
           "        logits = model.lm_head(hidden[:1])  # MUTATION: an M = 1 product in decode only\n"
-          "        return Step(logits[0], hidden[0], select_snapshot(state, snaps, 0)), cache_out(model)\n"),),
+          "        return Step(logits[0], hidden[0], state), cache_out(model)\n"),),
         ("tests/runtime/test_steps.py::test_verify_is_bitwise_sequential_decode_xla[3]",),
         ("tests/runtime/test_steps.py",),
     ),
