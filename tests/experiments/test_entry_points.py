@@ -130,6 +130,7 @@ COMMANDS = {
         "--first=300", "--turn=10", "--turns=1", "--reply=3", "--repeats=1", f"--json_out={t / 'session.json'}"]),
     "test_profile_step": ("profile_step", lambda t: [
         "--rows=3", "--steps=2", "--prompt_tokens=8", "--max_context=64", f"--json_out={t / 'prof.json'}"]),
+    "test_profile_step_past_the_context": ("profile_step", lambda t: ["--rows=300"]),
     "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
         "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
@@ -315,6 +316,12 @@ def test_profile_step(runs, request):
     ops = [r["op"] for r in rec["table"]]
     assert any(op.startswith("ggml matmul [3 x ") for op in ops), ops
     assert any(op.startswith("ggml experts [3 x ") for op in ops), ops
+
+
+def test_profile_step_past_the_context(runs, request):
+    _, res = result(runs, request)
+    assert res.returncode == 2 and res.stdout == ""
+    assert own_lines(res.stderr) == ["error: --prompt_tokens + --rows (332) exceed --max_context (256)"]
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
