@@ -2,8 +2,8 @@
 
 - `prefill`: a bucket of B prompt rows with the chunked GDN form; one compile per bucket size.
 - `decode_step`: one token with the recurrent GDN form, run as a 2-row bucket (row 1 is inert padding:
-  its KV write is dropped, it reads no expert, its GDN row is not computed); the GDN loop keeps the
-  state after the row, with no per-row snapshot.
+  its KV write is dropped, it reuses row 0's experts with zero weight, its GDN row is not computed); the
+  GDN loop keeps the state after the row, with no per-row snapshot.
 - `verify_step`: T >= 2 tokens with the recurrent form, returning logits and final-normed hidden rows
   for every row plus the GDN snapshots after every row; `commit` selects one snapshot (rollback).
 For every row, `verify_step` logits/hidden/snapshots are bitwise those of T successive `decode_step`s
