@@ -21,7 +21,6 @@ import gzip
 import json
 import re
 import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +30,9 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from experiments.pass_timing import row_tokens
 from experiments.presets import resolve_model
+from experiments.timing import spread
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "default", "Preset name (configs/models.json), 'default' or a GGUF path.")
@@ -81,16 +82,16 @@ def self_times(events: list[dict]) -> list[tuple[str, float]]:
     out = []
     for evs in by_tid.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[list] = []  # [end, name, child time]
+        stack: list[list] = []  # [end, name, time of the events nested in it, duration]
         for e in evs:
             while stack and stack[-1][0] <= e["ts"] + 1e-3:
-                end, name, child, dur = stack.pop()
+                _, name, child, dur = stack.pop()
                 out.append((name, dur - child))
             if stack:
                 stack[-1][2] += e["dur"]
             stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
         while stack:
-            end, name, child, dur = stack.pop()
+            _, name, child, dur = stack.pop()
             out.append((name, dur - child))
     return out
 
@@ -114,7 +115,7 @@ def main(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rt = engine.runtime
-    ids = np.resize(np.arange(100, 100 + FLAGS.prompt_tokens, dtype=np.int32), FLAGS.prompt_tokens).tolist()
+    ids = list(range(100, 100 + FLAGS.prompt_tokens))
     _, _, state = rt.prefill(rt.new_state(), ids)
     P, w = len(ids), FLAGS.rows
     if w == 1:
@@ -123,15 +124,15 @@ def main(argv) -> int:
         args = (rt.params, rt.cache, state, np.int32(ids[-1]), np.int32(P))
         module = "decode"
     else:
-        toks = np.resize(np.asarray(ids, np.int32), w)
+        toks = row_tokens(ids, w)
         step = lambda s: rt.verify_step(s, toks, P)[2]  # noqa: E731
         fn = rt._fns.verify
         args = (rt.params, rt.cache, state, toks, np.int32(P), np.int32(w))
         module = "verify"
+    ffi = ffi_names(fn.lower(*args).compile().as_text())  # before the steps donate `state`
     for _ in range(3):
         state = step(state)
     jax.block_until_ready(state)
-    ffi = ffi_names(fn.lower(*args).compile().as_text())
     walls = []
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
@@ -154,11 +155,12 @@ def main(argv) -> int:
         per_kind[k][0] += 1
         per_kind[k][1] += t
     n = FLAGS.steps
-    wall = statistics.median(walls)
+    sp = spread(walls)
+    wall = sp["median"]
     total = sum(v[1] for v in per_kind.values()) / n / 1e3
     rows = sorted(per_kind.items(), key=lambda kv: -kv[1][1])
     print(f"{path.name}: {'decode step' if w == 1 else f'verify pass of {w} rows'}, median wall {wall:.2f} ms "
-          f"[{min(walls):.2f}-{max(walls):.2f}] over {n} steps (profiled)")
+          f"[{sp['min']:.2f}-{sp['max']:.2f}] over {n} steps (profiled)")
     faults = (r1.ru_minflt - r0.ru_minflt) / n
     print(f"process per step: {faults:.0f} minor page faults (fresh pages of new buffers), "
           f"{1e3 * (r1.ru_stime - r0.ru_stime) / n:.1f} ms system CPU, {1e3 * (r1.ru_utime - r0.ru_utime) / n:.1f} ms user CPU")

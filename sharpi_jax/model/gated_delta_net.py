@@ -217,15 +217,15 @@ class GatedDeltaNet(nnx.Module):
         o = jnp.zeros((T,) + z.shape[1:], jnp.float32)
         at = functools.partial(jax.lax.dynamic_index_in_dim, keepdims=False)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, axis=0)
+
+        def step(t, carry):  # row t, both loops
+            conv, S, o = carry
+            conv, S, o_t = self._token(conv, S, at(qkv, t), at(beta, t), at(g, t))
+            return conv, S, put(o, o_t, t)
+
         if not snapshots:
             if parent is not None:
                 raise ValueError("draft-tree rows need their snapshots")
-
-            def step(t, carry):
-                conv, S, o = carry
-                conv, S, o_t = self._token(conv, S, at(qkv, t), at(beta, t), at(g, t))
-                return conv, S, put(o, o_t, t)
-
             conv, S, o = jax.lax.fori_loop(0, n, step, (conv_state, ssm_state, o))
             return self._finish(o, z, rows), conv, S
         snaps = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype),
@@ -238,8 +238,8 @@ class GatedDeltaNet(nnx.Module):
                 i = jnp.maximum(p, 0)
                 conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
                 S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
-            conv, S, o_t = self._token(conv, S, at(qkv, t), at(beta, t), at(g, t))
-            return conv, S, put(o, o_t, t), (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
+            conv, S, o = step(t, (conv, S, o))
+            return conv, S, o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
 
         _, _, o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (conv_state, ssm_state, o, snaps))
         return self._finish(o, z, rows), conv_snaps, ssm_snaps
