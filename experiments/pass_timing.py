@@ -2,7 +2,8 @@
 over the time of one single-token decode step, chain (w consecutive rows) and tree (w rows of a binary
 tree, parent[t] = (t - 1) // 2), w = 1..16. Where a w-row pass costs about one decode step, drafting w
 tokens per pass multiplies the decode speed by the accepted length. Used by `bench_verify --pass_widths`
-and `bench_decode --widths`.
+and `bench_decode --widths`. A pass is timed as the MTP loops dispatch it: the previous pass's commit and
+the rows in one call, its snapshots written into the previous pass's buffers.
 
 The rows carry different tokens, as real drafts do (the prompt's first w tokens, repeated as its
 continuation), so that a MoE routes them to different experts; each record also gives the distinct
@@ -18,10 +19,11 @@ import jax
 import numpy as np
 
 from experiments.timing import put_spread, spread
+from sharpi_jax.runtime.state import repeat_as_snapshots
 
 
 def _timed(fn, state, repeats: int):
-    """Warm once, then `repeats` timed calls of fn(state) -> state (the state is donated)."""
+    """Warm once, then `repeats` timed calls of fn(state) -> state (the state, any pytree, is donated)."""
     state = fn(state)
     times = []
     for _ in range(repeats):
@@ -82,14 +84,18 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
             tokens = row_tokens(ids, w)
             parent = np.array([-1] + [(t - 1) // 2 for t in range(1, w)], np.int32)
 
-            def chain_pass(s):
-                return rt.verify_step(s, tokens, P)[2]
+            # The passes the MTP loops dispatch: the previous pass's commit (snapshot 0; no KV rows moved)
+            # and the rows, writing the snapshots into the previous pass's donated buffers.
+            def chain_pass(c):
+                v = rt.commit_verify(c[0], c[1], 0, tokens, P, w)
+                return v.state, v.snaps
 
-            def tree_pass(s):
-                return rt.tree_commit_verify(s, None, 0, 0, None, 0, tokens, P, w, parent)[3]
+            def tree_pass(c):
+                v = rt.tree_commit_verify(c[0], c[1], 0, P, None, 0, tokens, P, w, parent)
+                return v.state, v.snaps
 
-            chain, state = _timed(chain_pass, state, repeats)
-            tree, state = _timed(tree_pass, state, repeats)
+            chain, (state, _) = _timed(chain_pass, (state, repeat_as_snapshots(state, w)), repeats)
+            tree, (state, _) = _timed(tree_pass, (state, repeat_as_snapshots(state, w)), repeats)
         put_spread(rec, "chain_ms", chain)
         put_spread(rec, "tree_ms", tree)
         d = spread(dec)["median"]

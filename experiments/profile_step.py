@@ -27,17 +27,20 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from experiments.pass_timing import row_tokens
 from experiments.presets import resolve_model
 from experiments.timing import spread
+from sharpi_jax.runtime.state import repeat_as_snapshots
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "default", "Preset name (configs/models.json), 'default' or a GGUF path.")
 flags.DEFINE_integer("prompt_tokens", 32, "Prompt prefilled before the profiled steps.")
-flags.DEFINE_integer("rows", 1, "1: profile decode steps; w >= 2: trunk verify passes of w rows (chain).")
+flags.DEFINE_integer("rows", 1, "1: profile decode steps; w >= 2: trunk verify passes of w rows (chain), "
+                     "as the MTP loop runs them (commit_verify).")
 flags.DEFINE_integer("steps", 5, "Profiled steps (after 3 warm ones).")
 flags.DEFINE_integer("max_context", 256, "KV cache positions.")
 flags.DEFINE_integer("top", 25, "Rows of the op table.")
@@ -124,11 +127,18 @@ def main(argv) -> int:
         args = (rt.params, rt.cache, state, np.int32(ids[-1]), np.int32(P))
         module = "decode"
     else:
-        toks = row_tokens(ids, w)
-        step = lambda s: rt.verify_step(s, toks, P)[2]  # noqa: E731
-        fn = rt._fns.verify
-        args = (rt.params, rt.cache, state, toks, np.int32(P), np.int32(w))
-        module = "verify"
+        # The MTP loop's trunk pass: the previous pass's commit, then the rows, writing the snapshots
+        # into the previous pass's (donated) buffers.
+        toks = jnp.asarray(row_tokens(ids, w))
+        state = (state, repeat_as_snapshots(state, w))
+
+        def step(c):
+            v = rt.commit_verify(c[0], c[1], 0, toks, P, w)
+            return v.state, v.snaps
+
+        fn = rt._fns.commit_verify
+        args = (rt.params, rt.cache, state[0], state[1], np.int32(0), toks, np.int32(P), np.int32(w))
+        module = "commit_verify"
     ffi = ffi_names(fn.lower(*args).compile().as_text())  # before the steps donate `state`
     for _ in range(3):
         state = step(state)

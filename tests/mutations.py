@@ -74,6 +74,61 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_speculative.py", "-k", "test_batched_verify_bitwise_equals_sequential"),
     ),
     Mutation(
+        "verify_pass_fresh_snapshot_buffers",
+        "a verify pass writes its GDN snapshots into the previous pass's buffers (no per-pass allocation)",
+        "sharpi_jax/runtime/steps.py",
+        (("        v, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid, into=snaps)\n",
+          "        v, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid)  # MUTATION\n"),),
+        ("tests/runtime/test_steps.py", "-k", "test_verify_pass_copies_no_gdn_state"),
+    ),
+    Mutation(
+        "tree_pass_fresh_snapshot_buffers",
+        "a verify pass writes its GDN snapshots into the previous pass's buffers (no per-pass allocation)",
+        "sharpi_jax/runtime/steps.py",
+        (("        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, into=snaps)\n",
+          "        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree)  # MUTATION\n"),),
+        ("tests/runtime/test_steps.py", "-k", "test_verify_pass_copies_no_gdn_state"),
+    ),
+    Mutation(
+        "commit_state_fresh_buffers",
+        "a verify pass writes the committed GDN state into the state's own buffers",
+        "sharpi_jax/runtime/steps.py",
+        (("        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True)),\n",
+          "        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3))),  # MUTATION\n"),),
+        ("tests/runtime/test_steps.py", "-k", "test_commit_verify_writes_into_the_donated_snapshots"),
+    ),
+    Mutation(
+        "verify_loop_carries_the_state",
+        "a verify pass's GDN loop carries the snapshots only (no per-layer copy of the state per pass)",
+        "sharpi_jax/model/gated_delta_net.py",
+        (("            o, (conv_snaps, ssm_snaps) = carry\n"
+          "            p = t - 1 if parent is None else at(parent, t)\n"
+          "            i = jnp.maximum(p, 0)\n"
+          "            conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))\n"
+          "            S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))\n"
+          "            conv, S, o = step(t, (conv, S, o))\n"
+          "            return o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))\n",
+          "            conv, S, o, (conv_snaps, ssm_snaps) = carry  # MUTATION: a chain carries the state\n"
+          "            if parent is not None:\n"
+          "                p = at(parent, t)\n"
+          "                i = jnp.maximum(p, 0)\n"
+          "                conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))\n"
+          "                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))\n"
+          "            conv, S, o = step(t, (conv, S, o))\n"
+          "            return conv, S, o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))\n"),
+         ("        o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (o, snaps))\n",
+          "        _, _, o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (conv_state, ssm_state, o, snaps))\n"),),
+        ("tests/runtime/test_steps.py", "-k", "test_verify_pass_copies_no_gdn_state"),
+    ),
+    Mutation(
+        "verify_row0_reads_the_stale_snapshot",
+        "batched verify == sequential: a pass's first row starts from the committed state, never a stale buffer",
+        "sharpi_jax/model/gated_delta_net.py",
+        (("            conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))\n",
+          "            conv = at(conv_snaps, i)  # MUTATION: the buffer's old contents for row 0\n"),),
+        ("tests/runtime/test_steps.py", "-k", "test_commit_verify_writes_into_the_donated_snapshots"),
+    ),
+    Mutation(
         "session_mtp_rows_shifted",
         "sessions: the MTP head's KV is kept in step (MTP turns equal fresh ones)",
         "sharpi_jax/runtime/mtp.py",

@@ -199,14 +199,18 @@ class GatedDeltaNet(nnx.Module):
         return window[1:], S, o
 
     def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array, parent: jax.Array | None = None,
-                  rows: jax.Array | None = None, snapshots: bool = True):
+                  rows: jax.Array | None = None, snapshots: bool = True, into=None):
         """Token-by-token form. x [T, D] -> (out [T, D], conv snapshots [T, Kc-1, C], ssm snapshots
         [T, Hv, dv, dk]); snapshot t is the state right after token t. parent [T] (draft-tree rows,
         parent[t] < t): row t starts from snapshot parent[t] (-1: the given state) instead of row t-1's.
         rows: only rows [0, rows) are needed (bucket padding after them: their projections may be +0.0).
         snapshots False (a chain whose last row's state is all that is kept, e.g. a decode step): the
         loop carries the state only and returns (out, conv, ssm) after the last computed row; the same
-        per-row operations, without writing T snapshots (2 MB a row on the 35B shapes)."""
+        per-row operations, without writing T snapshots (2 MB a row on the 35B shapes).
+        into: (conv [T, ...], ssm [T, ...]) buffers the snapshots are written into, their contents never
+        read (e.g. the previous pass's snapshots, donated: written in place instead of T fresh zeroed
+        buffers, whose pages a CPU process faults in on every pass); None: zeros. Rows >= rows keep
+        whatever the buffers held."""
         qkv, z, beta, g = self._project(x, rows)
         T = qkv.shape[0]
         # The loop runs rows [0, rows) only: a padding row's recurrence (~1 ms on the 35B shapes) is not
@@ -228,20 +232,26 @@ class GatedDeltaNet(nnx.Module):
                 raise ValueError("draft-tree rows need their snapshots")
             conv, S, o = jax.lax.fori_loop(0, n, step, (conv_state, ssm_state, o))
             return self._finish(o, z, rows), conv, S
-        snaps = (jnp.zeros((T,) + conv_state.shape, conv_state.dtype),
-                 jnp.zeros((T,) + ssm_state.shape, ssm_state.dtype))
+        like = [jax.ShapeDtypeStruct((T,) + a.shape, a.dtype) for a in (conv_state, ssm_state)]
+        if into is not None and [(a.shape, a.dtype) for a in into] == [(a.shape, a.dtype) for a in like]:
+            snaps = tuple(into)
+        else:
+            snaps = tuple(jnp.zeros(a.shape, a.dtype) for a in like)
 
+        # Row t starts from snapshot parent[t] (a chain's parent is t - 1), -1: the given state. The loop
+        # carries the snapshots only, not the state: a carried state would be a copy of the given one,
+        # and XLA makes every layer's copy at the start of the pass (a temp buffer of 2 MB a GDN layer,
+        # which a CPU process faults in afresh on every pass).
         def body(t, carry):
-            conv, S, o, (conv_snaps, ssm_snaps) = carry
-            if parent is not None:  # a draft-tree row starts from its parent's snapshot
-                p = at(parent, t)
-                i = jnp.maximum(p, 0)
-                conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
-                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
+            o, (conv_snaps, ssm_snaps) = carry
+            p = t - 1 if parent is None else at(parent, t)
+            i = jnp.maximum(p, 0)
+            conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
+            S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
             conv, S, o = step(t, (conv, S, o))
-            return conv, S, o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
+            return o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
 
-        _, _, o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (conv_state, ssm_state, o, snaps))
+        o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (o, snaps))
         return self._finish(o, z, rows), conv_snaps, ssm_snaps
 
     def chunked(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,

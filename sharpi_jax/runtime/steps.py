@@ -135,15 +135,16 @@ def _step_fns(graph: Graph) -> dict:
         logits, hidden, state = model.step(state, tokens, pos, jnp.asarray(live, jnp.int32))
         return Step(logits[0], hidden[0], state), cache_out(model)
 
-    def verify(params, cache, state, tokens, pos, n_valid):
+    def verify(params, cache, state, tokens, pos, n_valid, into=None):
         model = merge(params, cache)
-        return Verified(*model.rows(state, tokens, pos, n_valid)), cache_out(model)
+        return Verified(*model.rows(state, tokens, pos, n_valid, into=into)), cache_out(model)
 
     def commit(state, snaps, index):
         return select_snapshot(state, snaps, index)
 
     def commit_verify(params, cache, state, snaps, index, tokens, pos, n_valid):
-        v, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid)
+        # The previous pass's snapshots (donated) are read by the commit, then rewritten in place.
+        v, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid, into=snaps)
         return Pass(v.logits, jnp.argmax(v.logits, axis=-1).astype(jnp.int32), v.hidden, v.state, v.snaps), cache
 
     def tree_commit_verify(params, cache, state, snaps, index, prev_pos, path, n_path, tokens, pos, n_valid,
@@ -151,17 +152,19 @@ def _step_fns(graph: Graph) -> dict:
         state = move_kv_rows(commit(state, snaps, index), prev_pos + path, prev_pos, n_path)
         model = merge(params, cache)
         tree = TreeRows(depth, parent, pos + jnp.arange(tokens.shape[0], dtype=jnp.int32), pos + anc)
-        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree)
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, into=snaps)
         return Pass(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps), cache_out(model)
 
     return dict(
-        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3))),
+        # keep_unused: a commit replaces the state's GDN entries by snapshots without reading them; kept
+        # as (donated) arguments, their buffers take the committed state in place of fresh allocations.
+        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True)),
         prefill=(prefill, dict(donate_argnums=(1, 2), static_argnames=("gdn", "with_q"))),
         head=(head, {}),
         decode=(decode, dict(donate_argnums=(1, 2))),
         verify=(verify, dict(donate_argnums=(1, 2))),
-        commit=(commit, dict(donate_argnums=(0,))),
-        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3))),
+        commit=(commit, dict(donate_argnums=(0,), keep_unused=True)),
+        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True)),
     )
 
 

@@ -160,3 +160,88 @@ def test_state_layout():
     assert g.ssm.shape == (c.ssm_dt_rank, c.ssm_d_inner // c.ssm_dt_rank, c.ssm_d_state)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(s))
     assert state_bytes(c, MAX_CONTEXT) == sum(x.nbytes for x in jax.tree.leaves(s))
+
+
+def _nan_snaps_but(snaps, index):
+    """Snapshots of the same shapes, all NaN except row `index` (the one a commit reads)."""
+    def fill(a):
+        out = np.full(a.shape, np.nan, a.dtype)
+        out[index] = np.asarray(a)[index]
+        return jax.numpy.asarray(out)
+    return tuple(None if s is None else GDNCache(fill(s.conv), fill(s.ssm)) for s in snaps)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_commit_verify_writes_into_the_donated_snapshots(tree):
+    """The MTP loop's pass (commit + rows in one dispatch) writes its snapshots into the previous pass's
+    donated buffers and the committed GDN state into the state's: the same buffers come back (no fresh
+    per-pass allocation), and what those buffers held is never read: buffers of NaN (but the committed
+    row) give the bits of a commit followed by a pass from zeroed buffers (with a padding row)."""
+    name = "tiny-qwen35moe"
+    e = engine(name, "F32")
+    rt = e.runtime
+    ref = references(name)
+    prompt = ref["variants"][f"{name}-F32"]["tokens"][1]
+    P, T, n_valid, index = len(prompt), 5, 4, 2
+    first = np.array([5, 6, 7, 8, 9], np.int32)
+    tokens = jax.numpy.asarray(np.array([11, 22, 33, 44, 55], np.int32))
+    parent = np.array([-1, 0, 0, 1, 2], np.int32)
+
+    def run(fused):
+        _, state = _prefilled(e, prompt)
+        _, _, state, snaps = rt.verify_step(state, first, P)
+        P2 = P + index + 1
+        if fused:
+            snaps = _nan_snaps_but(snaps, index)
+            ptrs = [a.unsafe_buffer_pointer() for a in jax.tree.leaves((gdn_caches(state), snaps))]
+            if tree:
+                v = rt.tree_commit_verify(state, snaps, index, P, None, 0, tokens, P2, n_valid, parent)
+            else:
+                v = rt.commit_verify(state, snaps, index, tokens, P2, n_valid)
+            out = [a.unsafe_buffer_pointer() for a in jax.tree.leaves((gdn_caches(v.state), v.snaps))]
+            assert out == ptrs  # written in place: the state's and the snapshots' own buffers
+            logits, hidden, state, snaps = v.logits, v.hidden, v.state, v.snaps
+        else:
+            state = rt.commit(state, snaps, index)
+            if tree:
+                v = rt.tree_commit_verify(state, None, 0, 0, None, 0, tokens, P2, n_valid, parent)
+                logits, hidden, state, snaps = v.logits, v.hidden, v.state, v.snaps
+            else:
+                logits, hidden, state, snaps = rt.verify_step(state, tokens, P2, n_valid)
+        rows = slice(0, n_valid)
+        return jax.tree.map(lambda a: np.asarray(a)[rows], (logits, hidden, gdn_caches(snaps))), \
+            jax.tree.map(np.asarray, state)
+
+    (got_rows, got_state), (want_rows, want_state) = run(True), run(False)
+    assert_bitwise_equal(got_rows, want_rows)
+    assert_bitwise_equal(got_state, want_state)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_pass_copies_no_gdn_state(tree):
+    """The compiled MTP-loop pass makes no copy and no zero fill of a GDN state or snapshot array: the
+    snapshots are written into the donated buffers and the loop carries no copy of the state (on the
+    twin, such copies were a 69-133 MB temp buffer faulted in afresh on every pass)."""
+    import re
+    from sharpi_jax.runtime.state import repeat_as_snapshots
+    from sharpi_jax.model.tree import tree_arrays
+
+    rt = engine("tiny-qwen35moe", "F32").runtime
+    state, T = rt.new_state(), 5
+    snaps = repeat_as_snapshots(state, T)
+    tokens, i32 = jax.numpy.zeros(T, jax.numpy.int32), np.int32
+    if tree:
+        depth, parent, anc = tree_arrays(np.array([-1, 0, 0, 1, 2], np.int32), T, T)
+        lowered = rt._fns.tree_commit_verify.lower(rt.params, rt.cache, state, snaps, i32(0), i32(3),
+                                                   np.zeros(T, np.int32), i32(0), tokens, i32(3), i32(T),
+                                                   depth, parent, anc)
+    else:
+        lowered = rt._fns.commit_verify.lower(rt.params, rt.cache, state, snaps, i32(0), tokens, i32(3), i32(T))
+    text = lowered.compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    g = gdn_caches(snaps)[0]
+    shapes = {"f32[" + ",".join(map(str, a.shape)) + "]" for a in (g.conv, g.ssm, g.conv[0], g.ssm[0])}
+    made = [line.strip()[:120] for line in entry.splitlines()
+            if (m := re.match(r"\s*(?:ROOT )?%\S+ = (f32\[[\d,]*\])\S* (copy|broadcast)\(|.*= (f32\[[\d,]*\])\S* fusion\(%constant", line))
+            and (m.group(1) or m.group(3)) in shapes]
+    assert not made, made
