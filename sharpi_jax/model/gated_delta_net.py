@@ -209,8 +209,8 @@ class GatedDeltaNet(nnx.Module):
         per-row operations, without writing T snapshots (2 MB a row on the 35B shapes).
         into: (conv [T, ...], ssm [T, ...]) buffers the snapshots are written into, their contents never
         read (e.g. the previous pass's snapshots, donated: written in place instead of T fresh zeroed
-        buffers, whose pages a CPU process faults in on every pass); None: zeros. Rows >= rows keep
-        whatever the buffers held."""
+        buffers, whose pages a CPU process faults in on every pass); None, or buffers of another width:
+        zeros. Rows >= rows keep whatever the buffers held."""
         qkv, z, beta, g = self._project(x, rows)
         T = qkv.shape[0]
         # The loop runs rows [0, rows) only: a padding row's recurrence (~1 ms on the 35B shapes) is not

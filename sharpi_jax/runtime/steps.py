@@ -278,7 +278,8 @@ class Runtime:
                       n_valid: int) -> Pass:
         """`commit(state, snaps, index)` (the previous pass's rollback; snaps=None: none) then
         `verify_step(state, tokens, pos, n_valid)` in ONE dispatch (the MTP loop's trunk pass).
-        Returns `Pass(logits [T, V], greedy (argmax of each row [T] int32), hidden [T, D], state, snaps)`."""
+        Returns `Pass(logits [T, V], greedy (argmax of each row [T] int32), hidden [T, D], state, snaps)`.
+        `snaps` is donated like the state: the pass writes its snapshots into those buffers (same width)."""
         T = tokens.shape[0]
         if not 1 <= n_valid <= T or pos + n_valid > self.max_context:
             raise InputError(f"commit_verify: {n_valid} rows at position {pos} (width {T}, max_context "
