@@ -40,6 +40,24 @@ def row_tokens(ids: Sequence[int], w: int) -> np.ndarray:
     return np.resize(np.asarray(ids, np.int32), w)
 
 
+def loop_pass(rt, tokens, P: int, parent: np.ndarray | None = None):
+    """fn((state, snaps)) -> (state, snaps): one trunk pass of the w = len(tokens) rows at P as the MTP loops
+    dispatch it: the previous pass's commit (snapshot 0; no KV rows moved), then the rows, their snapshots
+    written into the previous pass's donated buffers. parent: draft-tree rows (None: a chain). Start it
+    from (state, `repeat_as_snapshots`(state, w))."""
+    w = len(tokens)
+
+    def chain(c):
+        v = rt.commit_verify(c[0], c[1], 0, tokens, P, w)
+        return v.state, v.snaps
+
+    def tree(c):
+        v = rt.tree_commit_verify(c[0], c[1], 0, P, None, 0, tokens, P, w, parent)
+        return v.state, v.snaps
+
+    return chain if parent is None else tree
+
+
 def experts_per_pass(engine, ids: Sequence[int], widths: Sequence[int]) -> dict[int, float] | None:
     """Distinct routed experts the rows of each width's pass select, mean over the MoE layers (None for a
     dense model): one teacher-forced routing trace of ids + the widest pass's rows."""
@@ -84,18 +102,9 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
             tokens = row_tokens(ids, w)
             parent = np.array([-1] + [(t - 1) // 2 for t in range(1, w)], np.int32)
 
-            # The passes the MTP loops dispatch: the previous pass's commit (snapshot 0; no KV rows moved)
-            # and the rows, writing the snapshots into the previous pass's donated buffers.
-            def chain_pass(c):
-                v = rt.commit_verify(c[0], c[1], 0, tokens, P, w)
-                return v.state, v.snaps
-
-            def tree_pass(c):
-                v = rt.tree_commit_verify(c[0], c[1], 0, P, None, 0, tokens, P, w, parent)
-                return v.state, v.snaps
-
-            chain, (state, _) = _timed(chain_pass, (state, repeat_as_snapshots(state, w)), repeats)
-            tree, (state, _) = _timed(tree_pass, (state, repeat_as_snapshots(state, w)), repeats)
+            chain, (state, _) = _timed(loop_pass(rt, tokens, P), (state, repeat_as_snapshots(state, w)), repeats)
+            tree, (state, _) = _timed(loop_pass(rt, tokens, P, parent), (state, repeat_as_snapshots(state, w)),
+                                      repeats)
         put_spread(rec, "chain_ms", chain)
         put_spread(rec, "tree_ms", tree)
         d = spread(dec)["median"]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.pass_timing import row_tokens
+from experiments.pass_timing import loop_pass, row_tokens
 from experiments.presets import resolve_model
 from experiments.timing import spread
 from sharpi_jax.runtime.state import repeat_as_snapshots
@@ -127,15 +127,9 @@ def main(argv) -> int:
         args = (rt.params, rt.cache, state, np.int32(ids[-1]), np.int32(P))
         module = "decode"
     else:
-        # The MTP loop's trunk pass: the previous pass's commit, then the rows, writing the snapshots
-        # into the previous pass's (donated) buffers.
         toks = jnp.asarray(row_tokens(ids, w))
         state = (state, repeat_as_snapshots(state, w))
-
-        def step(c):
-            v = rt.commit_verify(c[0], c[1], 0, toks, P, w)
-            return v.state, v.snaps
-
+        step = loop_pass(rt, toks, P)  # the MTP loop's trunk pass
         fn = rt._fns.commit_verify
         args = (rt.params, rt.cache, state[0], state[1], np.int32(0), toks, np.int32(P), np.int32(w))
         module = "commit_verify"

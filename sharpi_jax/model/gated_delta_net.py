@@ -232,11 +232,11 @@ class GatedDeltaNet(nnx.Module):
                 raise ValueError("draft-tree rows need their snapshots")
             conv, S, o = jax.lax.fori_loop(0, n, step, (conv_state, ssm_state, o))
             return self._finish(o, z, rows), conv, S
-        like = [jax.ShapeDtypeStruct((T,) + a.shape, a.dtype) for a in (conv_state, ssm_state)]
-        if into is not None and [(a.shape, a.dtype) for a in into] == [(a.shape, a.dtype) for a in like]:
+        like = [((T,) + a.shape, a.dtype) for a in (conv_state, ssm_state)]
+        if into is not None and [(a.shape, a.dtype) for a in into] == like:
             snaps = tuple(into)
         else:
-            snaps = tuple(jnp.zeros(a.shape, a.dtype) for a in like)
+            snaps = tuple(jnp.zeros(shape, dtype) for shape, dtype in like)
 
         # Row t starts from snapshot parent[t] (a chain's parent is t - 1), -1: the given state. The loop
         # carries the snapshots only, not the state: a carried state would be a copy of the given one,
