@@ -48,8 +48,9 @@ class RunConfig:
         chunk, those past the rows' reach left untouched: reverse-mode differentiable; training).
         Bitwise equal.
     kernels: the kernel backend of every matrix and routed-expert stack: "auto" (the best-ranked for
-        the platform: Pallas on a GPU, XLA elsewhere) or a registered name, "xla", "pallas" or "reference"
-        (exact dequantization + f32 dot); see `sharpi_jax.quant.registry` (checked at load).
+        the platform: Pallas on a GPU, ggml's CPU kernels on a CPU, XLA where neither can run) or a
+        registered name, "ggml", "xla", "pallas" or "reference" (exact dequantization + f32 dot); see
+        `sharpi_jax.quant.registry` (checked at load).
     repack: explicit repacking of quantized matrices on XLA: "auto" (int8 rows for matrices of >= 4M
         weights), None (every matrix in its GGUF encoding) or "int8" (all); see sharpi_jax.quant.
     """
@@ -195,142 +196,19 @@ class ModelConfig:
             raise UnsupportedArchitectureError(
                 f"{source}: architecture {arch!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-        def key(name: str) -> str:
-            return f"{arch}.{name}"
-
-        def get(name: str, default: Any = None, required: bool = False) -> Any:
-            k = key(name)
-            if k in md:
-                return md[k]
-            if required:
-                raise GGUFError(f"{source}: missing required key {k!r}")
-            return default
-
-        def as_int(name: str, value: Any, *, per_layer_ok: bool = False, allow_zero: bool = True) -> int:
-            """Scalars pass; per-layer arrays must be uniform over their non-zero entries."""
-            if isinstance(value, (list, tuple)):
-                if not per_layer_ok:
-                    raise GGUFError(f"{source}: key {key(name)!r} must be a scalar, got an array")
-                nz = sorted({int(v) for v in value if int(v) != 0})
-                if len(nz) > 1:
-                    raise GGUFError(f"{source}: key {key(name)!r} varies per layer ({nz}); "
-                                    "non-uniform layers are not supported")
-                value = nz[0] if nz else 0
-            if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
-                raise GGUFError(f"{source}: key {key(name)!r} must be an integer, got {value!r}")
-            value = int(value)
-            if value < 0 or (value == 0 and not allow_zero):
-                raise GGUFError(f"{source}: key {key(name)!r} has invalid value {value}")
-            return value
-
-        def as_float(name: str, value: Any) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise GGUFError(f"{source}: key {key(name)!r} must be a number, got {value!r}")
-            return float(value)
-
-        block_count = as_int("block_count", get("block_count", required=True), allow_zero=False)
-        n_nextn = as_int("nextn_predict_layers", get("nextn_predict_layers", 0))
-        if n_nextn >= block_count:
-            raise GGUFError(f"{source}: {key('nextn_predict_layers')} = {n_nextn} leaves no trunk layers "
-                            f"(block_count = {block_count})")
-        if n_nextn > 1:
-            raise GGUFError(f"{source}: {key('nextn_predict_layers')} = {n_nextn}; only 0 or 1 MTP block "
-                            "is supported (llama.cpp asserts 1 as well)")
-        n_layer = block_count - n_nextn
-        d_model = as_int("embedding_length", get("embedding_length", required=True), allow_zero=False)
-        n_head = as_int("attention.head_count", get("attention.head_count", required=True),
-                        per_layer_ok=True, allow_zero=False)
-        n_head_kv = as_int("attention.head_count_kv", get("attention.head_count_kv", n_head),
-                           per_layer_ok=True, allow_zero=False)
-        head_dim = as_int("attention.key_length", get("attention.key_length", d_model // n_head),
-                          allow_zero=False)
-        v_len = as_int("attention.value_length", get("attention.value_length", head_dim), allow_zero=False)
-        if v_len != head_dim:
-            raise GGUFError(f"{source}: {key('attention.value_length')} = {v_len} differs from "
-                            f"key_length = {head_dim}; not supported")
-        if n_head % n_head_kv:
-            raise GGUFError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-        n_rot = as_int("rope.dimension_count", get("rope.dimension_count", head_dim))
-        if n_rot > head_dim or n_rot % 2:
-            raise GGUFError(f"{source}: {key('rope.dimension_count')} = {n_rot} must be even and <= "
-                            f"key_length {head_dim}")
-        if arch == "qwen3next":
-            sections = (0, 0, 0, 0)
-        else:
-            raw_sections = get("rope.dimension_sections", required=True)
-            if not isinstance(raw_sections, (list, tuple)) or len(raw_sections) != 4:
-                raise GGUFError(f"{source}: {key('rope.dimension_sections')} must be an int[4], "
-                                f"got {raw_sections!r}")
-            sections = tuple(int(s) for s in raw_sections)
-        scaling = get("rope.scaling.factor", None)
-        freq_scale = 1.0 if not scaling else 1.0 / as_float("rope.scaling.factor", scaling)
-        rms_eps = as_float("attention.layer_norm_rms_epsilon",
-                           get("attention.layer_norm_rms_epsilon", required=True))
-
-        recurrent = get("attention.recurrent_layers", None)
-        if recurrent is not None:
-            if not isinstance(recurrent, (list, tuple)) or len(recurrent) != block_count:
-                raise GGUFError(f"{source}: {key('attention.recurrent_layers')} must be a bool array of "
-                                f"length block_count = {block_count}")
-            recurrent = tuple(bool(r) for r in recurrent)
-        else:
-            interval = as_int("full_attention_interval", get("full_attention_interval", 4), allow_zero=False)
-            recurrent = tuple(i < n_layer and (i + 1) % interval != 0 for i in range(block_count))
-        if any(recurrent[n_layer:]):
-            raise GGUFError(f"{source}: MTP blocks must be full-attention, but "
-                            f"{key('attention.recurrent_layers')} marks one recurrent")
-
-        ssm_conv = as_int("ssm.conv_kernel", get("ssm.conv_kernel", required=True), allow_zero=False)
-        ssm_state = as_int("ssm.state_size", get("ssm.state_size", required=True), allow_zero=False)
-        ssm_group = as_int("ssm.group_count", get("ssm.group_count", required=True), allow_zero=False)
-        ssm_rank = as_int("ssm.time_step_rank", get("ssm.time_step_rank", required=True), allow_zero=False)
-        ssm_inner = as_int("ssm.inner_size", get("ssm.inner_size", required=True), allow_zero=False)
-        if ssm_inner != ssm_rank * ssm_state:
-            raise GGUFError(f"{source}: {key('ssm.inner_size')} = {ssm_inner} != time_step_rank "
-                            f"{ssm_rank} x state_size {ssm_state}")
-        if ssm_rank % ssm_group:
-            raise GGUFError(f"{source}: {key('ssm.time_step_rank')} = {ssm_rank} is not a multiple of "
-                            f"{key('ssm.group_count')} = {ssm_group}")
-
-        n_ff = get("feed_forward_length", 0)
-        n_ff = as_int("feed_forward_length", n_ff, per_layer_ok=True)
-        if arch == "qwen35":
-            n_expert = n_used = expert_ff = shared_ff = 0
-            if n_ff == 0:
-                raise GGUFError(f"{source}: missing required key {key('feed_forward_length')} (dense FFN)")
-            dense_ff = n_ff
-        else:
-            n_expert = as_int("expert_count", get("expert_count", required=True), allow_zero=False)
-            n_used = as_int("expert_used_count", get("expert_used_count", required=True),
-                            per_layer_ok=True, allow_zero=False)
-            if n_used > n_expert:
-                raise GGUFError(f"{source}: expert_used_count {n_used} > expert_count {n_expert}")
-            fallback_ff = n_ff // n_used if n_ff else 0
-            expert_ff = as_int("expert_feed_forward_length", get("expert_feed_forward_length", fallback_ff),
-                               per_layer_ok=True)
-            shared_ff = as_int("expert_shared_feed_forward_length",
-                               get("expert_shared_feed_forward_length", n_ff), per_layer_ok=True)
-            if expert_ff == 0:
-                raise GGUFError(f"{source}: missing required key {key('expert_feed_forward_length')}")
-            dense_ff = 0
-
-        tokens = md.get("tokenizer.ggml.tokens")
-        n_vocab = len(tokens) if tokens is not None else int(get("vocab_size", 0) or 0)
-        if n_vocab <= 0:
-            raise GGUFError(f"{source}: missing required key 'tokenizer.ggml.tokens' (vocabulary)")
-
+        r = _MetadataReader(md, arch, source)
+        # Checked in this order, so the first error a bad file hits stays the same.
+        block_count, n_nextn = _read_block_counts(r)
+        attention = _read_attention(r)
+        recurrent = _read_layer_types(r, block_count, block_count - n_nextn)
+        ssm = _read_ssm(r)
+        ffn = _read_ffn(r)
+        n_vocab = _read_vocab_size(r)
         return cls(
-            arch=arch, n_vocab=n_vocab, d_model=d_model, n_layer_all=block_count, n_nextn=n_nextn,
-            context_length=as_int("context_length", get("context_length", required=True), allow_zero=False),
-            rms_eps=rms_eps, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot,
-            rope_base=as_float("rope.freq_base", get("rope.freq_base", 10000.0)),
-            rope_freq_scale=freq_scale, rope_sections=sections,  # type: ignore[arg-type]
-            recurrent_layers=recurrent, ssm_conv_kernel=ssm_conv, ssm_d_state=ssm_state,
-            ssm_n_group=ssm_group, ssm_dt_rank=ssm_rank, ssm_d_inner=ssm_inner,
-            gdn_head_pairing="grouped" if arch == "qwen3next" else "tiled",
-            n_expert=n_expert, n_expert_used=n_used, expert_ff=expert_ff, shared_expert_ff=shared_ff,
-            dense_ff=dense_ff,
+            arch=arch, n_vocab=n_vocab, n_layer_all=block_count, n_nextn=n_nextn,
+            context_length=r.read_int("context_length", required=True, allow_zero=False),
+            rope_base=r.read_float("rope.freq_base", 10000.0), recurrent_layers=recurrent,
+            gdn_head_pairing="grouped" if arch == "qwen3next" else "tiled", **attention, **ssm, **ffn,
         )
 
     def to_metadata(self) -> dict[str, Any]:
@@ -369,6 +247,168 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+class _MetadataReader:
+    """Typed, validated access to the `{arch}.*` keys of GGUF metadata; every error names `source`."""
+
+    def __init__(self, md: Mapping[str, Any], arch: str, source: str):
+        self.md, self.arch, self.source = md, arch, source
+
+    def key(self, name: str) -> str:
+        return f"{self.arch}.{name}"
+
+    def error(self, message: str) -> GGUFError:
+        return GGUFError(f"{self.source}: {message}")
+
+    def get(self, name: str, default: Any = None, required: bool = False) -> Any:
+        k = self.key(name)
+        if k in self.md:
+            return self.md[k]
+        if required:
+            raise self.error(f"missing required key {k!r}")
+        return default
+
+    def as_int(self, name: str, value: Any, *, per_layer_ok: bool = False, allow_zero: bool = True) -> int:
+        """Scalars pass; per-layer arrays must be uniform over their non-zero entries."""
+        if isinstance(value, (list, tuple)):
+            if not per_layer_ok:
+                raise self.error(f"key {self.key(name)!r} must be a scalar, got an array")
+            nz = sorted({int(v) for v in value if int(v) != 0})
+            if len(nz) > 1:
+                raise self.error(f"key {self.key(name)!r} varies per layer ({nz}); "
+                                 "non-uniform layers are not supported")
+            value = nz[0] if nz else 0
+        if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
+            raise self.error(f"key {self.key(name)!r} must be an integer, got {value!r}")
+        value = int(value)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise self.error(f"key {self.key(name)!r} has invalid value {value}")
+        return value
+
+    def as_float(self, name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(f"key {self.key(name)!r} must be a number, got {value!r}")
+        return float(value)
+
+    def read_int(self, name: str, default: Any = None, *, required: bool = False, per_layer_ok: bool = False,
+                 allow_zero: bool = True) -> int:
+        """`as_int` of key `name` (or of `default` where it is absent and not required)."""
+        return self.as_int(name, self.get(name, default, required), per_layer_ok=per_layer_ok,
+                           allow_zero=allow_zero)
+
+    def read_float(self, name: str, default: Any = None, *, required: bool = False) -> float:
+        return self.as_float(name, self.get(name, default, required))
+
+
+def _read_block_counts(r: _MetadataReader) -> tuple[int, int]:
+    """(block_count, nextn_predict_layers): the trunk keeps at least one layer; at most one MTP block."""
+    block_count = r.read_int("block_count", required=True, allow_zero=False)
+    n_nextn = r.read_int("nextn_predict_layers", 0)
+    if n_nextn >= block_count:
+        raise r.error(f"{r.key('nextn_predict_layers')} = {n_nextn} leaves no trunk layers "
+                      f"(block_count = {block_count})")
+    if n_nextn > 1:
+        raise r.error(f"{r.key('nextn_predict_layers')} = {n_nextn}; only 0 or 1 MTP block "
+                      "is supported (llama.cpp asserts 1 as well)")
+    return block_count, n_nextn
+
+
+def _read_attention(r: _MetadataReader) -> dict[str, Any]:
+    """The ModelConfig fields of the embedding width, the attention heads, rope and the RMS norm."""
+    d_model = r.read_int("embedding_length", required=True, allow_zero=False)
+    n_head = r.read_int("attention.head_count", required=True, per_layer_ok=True, allow_zero=False)
+    n_head_kv = r.read_int("attention.head_count_kv", n_head, per_layer_ok=True, allow_zero=False)
+    head_dim = r.read_int("attention.key_length", d_model // n_head, allow_zero=False)
+    v_len = r.read_int("attention.value_length", head_dim, allow_zero=False)
+    if v_len != head_dim:
+        raise r.error(f"{r.key('attention.value_length')} = {v_len} differs from "
+                      f"key_length = {head_dim}; not supported")
+    if n_head % n_head_kv:
+        raise r.error(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    n_rot = r.read_int("rope.dimension_count", head_dim)
+    if n_rot > head_dim or n_rot % 2:
+        raise r.error(f"{r.key('rope.dimension_count')} = {n_rot} must be even and <= "
+                      f"key_length {head_dim}")
+    sections = (0, 0, 0, 0) if r.arch == "qwen3next" else _read_rope_sections(r)
+    scaling = r.get("rope.scaling.factor", None)
+    freq_scale = 1.0 if not scaling else 1.0 / r.as_float("rope.scaling.factor", scaling)
+    rms_eps = r.read_float("attention.layer_norm_rms_epsilon", required=True)
+    return dict(d_model=d_model, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot,
+                rope_sections=sections, rope_freq_scale=freq_scale, rms_eps=rms_eps)
+
+
+def _read_rope_sections(r: _MetadataReader) -> tuple[int, ...]:
+    """The IMROPE sections (required for qwen35 / qwen35moe)."""
+    raw_sections = r.get("rope.dimension_sections", required=True)
+    if not isinstance(raw_sections, (list, tuple)) or len(raw_sections) != 4:
+        raise r.error(f"{r.key('rope.dimension_sections')} must be an int[4], got {raw_sections!r}")
+    return tuple(int(s) for s in raw_sections)
+
+
+def _read_layer_types(r: _MetadataReader, block_count: int, n_layer: int) -> tuple[bool, ...]:
+    """Per block, True for a GDN layer: `attention.recurrent_layers`, else every `full_attention_interval`-th
+    trunk layer is full attention; the MTP blocks must be full attention."""
+    recurrent = r.get("attention.recurrent_layers", None)
+    if recurrent is not None:
+        if not isinstance(recurrent, (list, tuple)) or len(recurrent) != block_count:
+            raise r.error(f"{r.key('attention.recurrent_layers')} must be a bool array of "
+                          f"length block_count = {block_count}")
+        recurrent = tuple(bool(x) for x in recurrent)
+    else:
+        interval = r.read_int("full_attention_interval", 4, allow_zero=False)
+        recurrent = tuple(i < n_layer and (i + 1) % interval != 0 for i in range(block_count))
+    if any(recurrent[n_layer:]):
+        raise r.error(f"MTP blocks must be full-attention, but "
+                      f"{r.key('attention.recurrent_layers')} marks one recurrent")
+    return recurrent
+
+
+def _read_ssm(r: _MetadataReader) -> dict[str, Any]:
+    """The Gated DeltaNet fields: inner size = Hv x dv, and Hv a multiple of Hk."""
+    ssm_conv = r.read_int("ssm.conv_kernel", required=True, allow_zero=False)
+    ssm_state = r.read_int("ssm.state_size", required=True, allow_zero=False)
+    ssm_group = r.read_int("ssm.group_count", required=True, allow_zero=False)
+    ssm_rank = r.read_int("ssm.time_step_rank", required=True, allow_zero=False)
+    ssm_inner = r.read_int("ssm.inner_size", required=True, allow_zero=False)
+    if ssm_inner != ssm_rank * ssm_state:
+        raise r.error(f"{r.key('ssm.inner_size')} = {ssm_inner} != time_step_rank "
+                      f"{ssm_rank} x state_size {ssm_state}")
+    if ssm_rank % ssm_group:
+        raise r.error(f"{r.key('ssm.time_step_rank')} = {ssm_rank} is not a multiple of "
+                      f"{r.key('ssm.group_count')} = {ssm_group}")
+    return dict(ssm_conv_kernel=ssm_conv, ssm_d_state=ssm_state, ssm_n_group=ssm_group, ssm_dt_rank=ssm_rank,
+                ssm_d_inner=ssm_inner)
+
+
+def _read_ffn(r: _MetadataReader) -> dict[str, Any]:
+    """The FFN fields: a dense SwiGLU width for qwen35, else the experts (widths fall back on
+    `feed_forward_length`)."""
+    n_ff = r.read_int("feed_forward_length", 0, per_layer_ok=True)
+    if r.arch == "qwen35":
+        if n_ff == 0:
+            raise r.error(f"missing required key {r.key('feed_forward_length')} (dense FFN)")
+        return dict(n_expert=0, n_expert_used=0, expert_ff=0, shared_expert_ff=0, dense_ff=n_ff)
+    n_expert = r.read_int("expert_count", required=True, allow_zero=False)
+    n_used = r.read_int("expert_used_count", required=True, per_layer_ok=True, allow_zero=False)
+    if n_used > n_expert:
+        raise r.error(f"expert_used_count {n_used} > expert_count {n_expert}")
+    fallback_ff = n_ff // n_used if n_ff else 0
+    expert_ff = r.read_int("expert_feed_forward_length", fallback_ff, per_layer_ok=True)
+    shared_ff = r.read_int("expert_shared_feed_forward_length", n_ff, per_layer_ok=True)
+    if expert_ff == 0:
+        raise r.error(f"missing required key {r.key('expert_feed_forward_length')}")
+    return dict(n_expert=n_expert, n_expert_used=n_used, expert_ff=expert_ff, shared_expert_ff=shared_ff,
+                dense_ff=0)
+
+
+def _read_vocab_size(r: _MetadataReader) -> int:
+    """The vocabulary size: the token list's length, else `{arch}.vocab_size`."""
+    tokens = r.md.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens) if tokens is not None else int(r.get("vocab_size", 0) or 0)
+    if n_vocab <= 0:
+        raise r.error("missing required key 'tokenizer.ggml.tokens' (vocabulary)")
+    return n_vocab
 
 
 def qwen36_35b_a3b(n_layer: int = 40, n_nextn: int = 1) -> ModelConfig:

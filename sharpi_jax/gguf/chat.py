@@ -230,8 +230,11 @@ class _Counted:
         return item
 
 
-def _is_iterator(x: Any) -> bool:
-    return hasattr(x, "__next__") and not isinstance(x, _Counted)
+def _counted_or_sized(out: Any, what: str) -> Any:
+    """A call's or filter's result: an iterator counts its items as it goes; anything else is sized now."""
+    if hasattr(out, "__next__") and not isinstance(out, _Counted):
+        return _Counted(out)
+    return _check_size(out, what)
 
 
 def _guarded_filter(name: str, fn):
@@ -251,10 +254,7 @@ def _guarded_filter(name: str, fn):
             args = (context.eval_ctx, *args)
         elif kind is _PassArg.environment:
             args = (context.environment, *args)
-        out = fn(*args, **kwargs)
-        if _is_iterator(out):
-            return _Counted(out)
-        return _check_size(out, f"|{name}")
+        return _counted_or_sized(fn(*args, **kwargs), f"|{name}")
 
     filt.jinja_pass_arg = _PassArg.context
     return filt
@@ -267,10 +267,26 @@ def _int_power_bits(base: int, exp: int) -> float:
 
 
 def _new_environment():
+    """A fresh sandboxed environment configured as transformers', with every hook of `TemplateLimits`;
+    returns it with the jinja2 module (for its error types)."""
     import jinja2
-    from jinja2 import nodes
-    from jinja2.compiler import CodeGenerator
     from jinja2.ext import loopcontrols
+
+    env = _environment_class()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols],
+                               finalize=_finalize)
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _guarded_filter(name, f) for name, f in env.filters.items()}
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _safe_range
+    return env, jinja2
+
+
+def _environment_class():
+    """`ImmutableSandboxedEnvironment` with the limits' hooks: loops and literal text counted, `~` sized
+    before it joins, binary operators and calls checked before and after (defined on use: jinja2 is
+    imported only when a template is compiled)."""
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generator(CodeGenerator):
@@ -284,17 +300,10 @@ def _new_environment():
     class Environment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "+", "%", "**", "//", "/"])
         code_generator_class = Generator
+        sharpi_concat = staticmethod(_sized_concat)
 
         def _parse(self, source, name, filename):
-            tree = super()._parse(source, name, filename)
-            for loop in list(tree.find_all(nodes.For)):  # every loop counts its iterations
-                loop.iter = nodes.Call(nodes.EnvironmentAttribute("sharpi_loop"), [loop.iter], [], None, None,
-                                       lineno=loop.lineno)
-            for out in list(tree.find_all(nodes.Output)):  # literal text too is counted as emitted
-                out.nodes = [nodes.Call(nodes.EnvironmentAttribute("sharpi_text"), [nodes.Const(n.data)], [],
-                                        None, None, lineno=n.lineno) if isinstance(n, nodes.TemplateData) else n
-                             for n in out.nodes]
-            return tree
+            return _count_loops_and_text(super()._parse(source, name, filename))
 
         @staticmethod
         def sharpi_loop(iterable):
@@ -304,41 +313,14 @@ def _new_environment():
         def sharpi_text(text):
             return text
 
-        @staticmethod
-        def sharpi_concat(parts):
-            lim = _limits().max_size
-            if _measure(list(parts), lim) > lim:
-                raise _breach(f"'~' builds a string of more than {lim} characters", "max_size", lim)
-            return "".join(str(p) for p in parts)
-
         def call_binop(self, context, operator, left, right):
             _tick()
             lim = _limits()
             what = f"'{operator}'"
-            if operator == "**" and isinstance(left, int) and isinstance(right, int):
-                if _int_power_bits(left, right) > lim.max_int_bits:
-                    raise _breach(f"{what} builds an integer of more than {lim.max_int_bits} bits", "max_int_bits",
-                                  lim.max_int_bits)
-            elif operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(n, int) and not isinstance(seq, (int, float)) and n > 0:
-                        if _measure(seq, lim.max_size) * n > lim.max_size:
-                            raise _breach(f"{what} builds a value of more than {lim.max_size} characters",
-                                          "max_size", lim.max_size)
-                if isinstance(left, int) and isinstance(right, int) and \
-                        left.bit_length() + right.bit_length() > lim.max_int_bits:
-                    raise _breach(f"{what} builds an integer of more than {lim.max_int_bits} bits", "max_int_bits",
-                                  lim.max_int_bits)
-            elif operator == "%" and isinstance(left, str):
-                _check_format_string(left, what)
-                _check_int_args(_call_args([right], {}), what)
-            if operator in ("+", "%") and _measure([left, right], lim.max_size) > lim.max_size:
-                raise _breach(f"{what} builds a value of more than {lim.max_size} characters", "max_size",
-                              lim.max_size)
+            _precheck_binop(operator, left, right, lim, what)
             out = super().call_binop(context, operator, left, right)
             if isinstance(out, int) and out.bit_length() > lim.max_int_bits:
-                raise _breach(f"{what} builds an integer of more than {lim.max_int_bits} bits", "max_int_bits",
-                              lim.max_int_bits)
+                raise _int_bits_breach(what, lim)
             return out if operator == "+" else _check_size(out, what)  # '+': sized before
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
@@ -347,10 +329,7 @@ def _new_environment():
                 return super().call(__context, __obj, *args, **kwargs)
             name = getattr(__obj, "__name__", type(__obj).__name__)
             _precheck(name, getattr(__obj, "__self__", None), args, kwargs)
-            out = super().call(__context, __obj, *args, **kwargs)
-            if _is_iterator(out):
-                return _Counted(out)
-            return _check_size(out, f"{name}(...)")
+            return _counted_or_sized(super().call(__context, __obj, *args, **kwargs), f"{name}(...)")
 
         def wrap_str_format(self, value):
             wrapped = super().wrap_str_format(value)
@@ -358,27 +337,70 @@ def _new_environment():
                 _check_format_string(value.__self__, "str.format")
             return wrapped
 
-    def _finalize(value):
-        _tick()
-        r = _ACTIVE.get()
-        lim = _limits()
-        size = _measure(value, lim.max_output)
-        if r is not None:
-            r.emitted += size
-            if r.emitted > lim.max_output:
-                raise _breach(f"the template emits more than {lim.max_output} characters", "max_output",
-                              lim.max_output)
-        elif size > lim.max_output:
-            raise _breach(f"the template emits more than {lim.max_output} characters", "max_output", lim.max_output)
-        return value
+    return Environment
 
-    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=_finalize)
-    env.filters["tojson"] = _tojson
-    env.filters = {name: _guarded_filter(name, f) for name, f in env.filters.items()}
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["range"] = _safe_range
-    return env, jinja2
+
+def _count_loops_and_text(tree):
+    """Rewrite a parsed template: every loop counts its iterations, and literal text too is counted as
+    emitted (it goes through `finalize`)."""
+    from jinja2 import nodes
+
+    for loop in list(tree.find_all(nodes.For)):
+        loop.iter = nodes.Call(nodes.EnvironmentAttribute("sharpi_loop"), [loop.iter], [], None, None,
+                               lineno=loop.lineno)
+    for out in list(tree.find_all(nodes.Output)):
+        out.nodes = [nodes.Call(nodes.EnvironmentAttribute("sharpi_text"), [nodes.Const(n.data)], [],
+                                None, None, lineno=n.lineno) if isinstance(n, nodes.TemplateData) else n
+                     for n in out.nodes]
+    return tree
+
+
+def _sized_concat(parts):
+    """`a ~ b ~ ...`, refused before joining when the result would go over max_size."""
+    lim = _limits().max_size
+    if _measure(list(parts), lim) > lim:
+        raise _breach(f"'~' builds a string of more than {lim} characters", "max_size", lim)
+    return "".join(str(p) for p in parts)
+
+
+def _int_bits_breach(what: str, lim: TemplateLimits) -> TemplateLimitError:
+    return _breach(f"{what} builds an integer of more than {lim.max_int_bits} bits", "max_int_bits",
+                   lim.max_int_bits)
+
+
+def _precheck_binop(operator: str, left: Any, right: Any, lim: TemplateLimits, what: str) -> None:
+    """Refuse a binary operation whose result would go over max_int_bits or max_size before computing it."""
+    if operator == "**" and isinstance(left, int) and isinstance(right, int):
+        if _int_power_bits(left, right) > lim.max_int_bits:
+            raise _int_bits_breach(what, lim)
+    elif operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(n, int) and not isinstance(seq, (int, float)) and n > 0:
+                if _measure(seq, lim.max_size) * n > lim.max_size:
+                    raise _breach(f"{what} builds a value of more than {lim.max_size} characters",
+                                  "max_size", lim.max_size)
+        if isinstance(left, int) and isinstance(right, int) and \
+                left.bit_length() + right.bit_length() > lim.max_int_bits:
+            raise _int_bits_breach(what, lim)
+    elif operator == "%" and isinstance(left, str):
+        _check_format_string(left, what)
+        _check_int_args(_call_args([right], {}), what)
+    if operator in ("+", "%") and _measure([left, right], lim.max_size) > lim.max_size:
+        raise _breach(f"{what} builds a value of more than {lim.max_size} characters", "max_size",
+                      lim.max_size)
+
+
+def _finalize(value):
+    """Count every emitted value against max_output (and check the time budget)."""
+    _tick()
+    r = _ACTIVE.get()
+    lim = _limits()
+    size = _measure(value, lim.max_output)
+    if r is not None:
+        r.emitted += size
+    if (r.emitted if r is not None else size) > lim.max_output:
+        raise _breach(f"the template emits more than {lim.max_output} characters", "max_output", lim.max_output)
+    return value
 
 
 def _safe_range(*args: int) -> range:

@@ -234,8 +234,28 @@ class GGUFFile:
 
     # ----- parsing -----
     def _parse(self, buf: memoryview) -> None:
+        """Read and check the header: metadata, alignment and the tensor table (no tensor data)."""
         cur = _Cursor(buf, self.source)
-        magic = bytes(buf[:4])
+        n_tensors, n_kv = self._parse_counts(cur)
+        self.metadata = self._parse_metadata(cur, n_kv)
+        self.alignment = self._parse_alignment(self.metadata)
+        infos = [self._parse_tensor_header(cur, i) for i in range(n_tensors)]
+        data_start = -(-cur.pos // self.alignment) * self.alignment
+        if data_start > self.file_size:
+            raise GGUFError(f"{self.source}: truncated: tensor data would start at {data_start}, past the "
+                            f"end of the file ({self.file_size} bytes)")
+        self.data_offset = data_start
+        tensors: dict[str, TensorInfo] = {}
+        for name, ne, raw_type, rel_offset in infos:
+            if name in tensors:
+                raise GGUFError(f"{self.source}: duplicate tensor name {name!r}")
+            tensors[name] = self._tensor_info(name, ne, raw_type, rel_offset)
+        self._check_no_overlap(tensors)
+        self.tensors = tensors
+
+    def _parse_counts(self, cur: _Cursor) -> tuple[int, int]:
+        """Check the magic and version; (tensor count, metadata count), bounded by the file size."""
+        magic = bytes(cur.buf[:4])
         if magic != GGUF_MAGIC:
             raise GGUFError(f"{self.source}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
         cur.pos = 4
@@ -249,6 +269,10 @@ class GGUFFile:
         if n_kv > self.file_size // 14 or n_tensors > self.file_size // 33:
             raise GGUFError(f"{self.source}: header claims {n_kv} metadata entries and {n_tensors} tensors, "
                             "more than the file can hold")
+        return n_tensors, n_kv
+
+    def _parse_metadata(self, cur: _Cursor, n_kv: int) -> dict[str, Any]:
+        """The n_kv key/value pairs (keys unique)."""
         md: dict[str, Any] = {}
         for i in range(n_kv):
             key = cur.string(f"metadata key #{i}", MAX_KEY_LENGTH)
@@ -256,70 +280,65 @@ class GGUFFile:
                 raise GGUFError(f"{self.source}: duplicate metadata key {key!r}")
             vtype = cur.u32(f"type of metadata {key!r}")
             md[key] = cur.value(vtype, f"metadata {key!r}")
-        self.metadata = md
+        return md
 
+    def _parse_alignment(self, md: dict[str, Any]) -> int:
+        """`general.alignment`: a power of two up to 1 MiB (default 32)."""
         alignment = md.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or \
                 alignment & (alignment - 1) or alignment > 1 << 20:
             raise GGUFError(f"{self.source}: metadata 'general.alignment' = {alignment!r} is not a "
                             "power of two")
-        self.alignment = alignment
+        return alignment
 
-        infos = []
-        for i in range(n_tensors):
-            name = cur.string(f"name of tensor #{i}", MAX_TENSOR_NAME_LENGTH)
-            n_dims = cur.u32(f"n_dims of tensor {name!r}")
-            if not 1 <= n_dims <= GGML_MAX_DIMS:
-                raise GGUFError(f"{self.source}: tensor {name!r} has {n_dims} dims (1..{GGML_MAX_DIMS} allowed)")
-            ne = [cur.u64(f"dim {d} of tensor {name!r}") for d in range(n_dims)]
-            raw_type = cur.u32(f"type of tensor {name!r}")
-            rel_offset = cur.u64(f"offset of tensor {name!r}")
-            infos.append((name, ne, raw_type, rel_offset))
+    def _parse_tensor_header(self, cur: _Cursor, i: int) -> tuple[str, list[int], int, int]:
+        """Tensor info #i as read: (name, ggml dims, raw type id, offset relative to the data start)."""
+        name = cur.string(f"name of tensor #{i}", MAX_TENSOR_NAME_LENGTH)
+        n_dims = cur.u32(f"n_dims of tensor {name!r}")
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise GGUFError(f"{self.source}: tensor {name!r} has {n_dims} dims (1..{GGML_MAX_DIMS} allowed)")
+        ne = [cur.u64(f"dim {d} of tensor {name!r}") for d in range(n_dims)]
+        raw_type = cur.u32(f"type of tensor {name!r}")
+        rel_offset = cur.u64(f"offset of tensor {name!r}")
+        return name, ne, raw_type, rel_offset
 
-        data_start = -(-cur.pos // alignment) * alignment
-        if data_start > self.file_size:
-            raise GGUFError(f"{self.source}: truncated: tensor data would start at {data_start}, past the "
-                            f"end of the file ({self.file_size} bytes)")
-        self.data_offset = data_start
+    def _tensor_info(self, name: str, ne: list[int], raw_type: int, rel_offset: int) -> TensorInfo:
+        """Check one tensor's type, dims and byte range against the file (needs `alignment`, `data_offset`)."""
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise UnsupportedQuantError(
+                f"{self.source}: tensor {name!r} has unknown ggml type id {raw_type}") from None
+        if qtype not in GGML_QUANT_SIZES:
+            raise UnsupportedQuantError(f"{self.source}: tensor {name!r} uses ggml type {qtype.name}, "
+                                        "which has no known block size")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if any(d == 0 or d > 1 << 40 for d in ne):
+            raise GGUFError(f"{self.source}: tensor {name!r} has invalid dims {ne}")
+        n_el = 1
+        for d in ne:
+            n_el *= d
+        if n_el > self.file_size * 64:  # no block type packs more than 64 values per byte
+            raise GGUFError(f"{self.source}: tensor {name!r} with dims {ne} cannot fit in the file")
+        if ne[0] % block:
+            raise GGUFError(f"{self.source}: tensor {name!r} row length {ne[0]} is not a multiple of "
+                            f"the {qtype.name} block size {block}")
+        nbytes = n_el // block * type_size
+        if rel_offset % self.alignment:
+            raise GGUFError(f"{self.source}: tensor {name!r} offset {rel_offset} is not aligned to "
+                            f"{self.alignment}")
+        start = self.data_offset + rel_offset
+        if start + nbytes > self.file_size:
+            raise GGUFError(f"{self.source}: truncated: tensor {name!r} needs bytes [{start}, "
+                            f"{start + nbytes}) but the file has {self.file_size}")
+        return TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), start, nbytes)
 
-        tensors: dict[str, TensorInfo] = {}
-        for name, ne, raw_type, rel_offset in infos:
-            if name in tensors:
-                raise GGUFError(f"{self.source}: duplicate tensor name {name!r}")
-            try:
-                qtype = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise UnsupportedQuantError(
-                    f"{self.source}: tensor {name!r} has unknown ggml type id {raw_type}") from None
-            if qtype not in GGML_QUANT_SIZES:
-                raise UnsupportedQuantError(f"{self.source}: tensor {name!r} uses ggml type {qtype.name}, "
-                                            "which has no known block size")
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            if any(d == 0 or d > 1 << 40 for d in ne):
-                raise GGUFError(f"{self.source}: tensor {name!r} has invalid dims {ne}")
-            n_el = 1
-            for d in ne:
-                n_el *= d
-            if n_el > self.file_size * 64:  # no block type packs more than 64 values per byte
-                raise GGUFError(f"{self.source}: tensor {name!r} with dims {ne} cannot fit in the file")
-            if ne[0] % block:
-                raise GGUFError(f"{self.source}: tensor {name!r} row length {ne[0]} is not a multiple of "
-                                f"the {qtype.name} block size {block}")
-            nbytes = n_el // block * type_size
-            if rel_offset % alignment:
-                raise GGUFError(f"{self.source}: tensor {name!r} offset {rel_offset} is not aligned to "
-                                f"{alignment}")
-            start = data_start + rel_offset
-            if start + nbytes > self.file_size:
-                raise GGUFError(f"{self.source}: truncated: tensor {name!r} needs bytes [{start}, "
-                                f"{start + nbytes}) but the file has {self.file_size}")
-            tensors[name] = TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), start, nbytes)
-        # Overlapping tensors are a sign of a forged file; reject them.
+    def _check_no_overlap(self, tensors: dict[str, TensorInfo]) -> None:
+        """Overlapping tensors are a sign of a forged file; reject them."""
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
         for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
             if s1 < e0:
                 raise GGUFError(f"{self.source}: tensors {n0!r} and {n1!r} overlap in the file")
-        self.tensors = tensors
 
     # ----- metadata -----
     @property
