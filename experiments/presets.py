@@ -13,6 +13,7 @@ from pathlib import Path
 from sharpi_jax.assets import default_model_path
 from sharpi_jax.config import shape_preset
 from sharpi_jax.errors import InputError
+from sharpi_jax.paths import cache_dir
 from sharpi_jax.testing import write_synthetic_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +41,6 @@ PYTHON_PROMPTS = [
 Q4_K_M_MIX_4L = tuple((name, "Q6_K") for name in (
     "output.weight", "blk.2.attn_qkv", "blk.2.ffn_down_exps", "blk.2.ffn_down_shexp", "blk.4.attn_v",
     "blk.4.ffn_down_exps", "blk.4.ffn_down_shexp"))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax"))
 
 
 def model_presets() -> dict[str, dict]:

@@ -11,6 +11,6 @@ Kernels never import model code (`sharpi_jax`): they take plain arrays and stati
 `KERNEL_TYPES`: the ggml types (lower-case names) the kernels read; what a Pallas backend serves.
 """
 
-from pallas_kernels.quant_blocks import KERNEL_TYPES
+from .quant_blocks import KERNEL_TYPES
 
 __all__ = ["KERNEL_TYPES"]

@@ -29,7 +29,7 @@ from sharpi_jax.model import snapkv
 from sharpi_jax.model.footprint import backend_summary, fallback_message, matrix_backends
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
-from sharpi_jax.quant import MatrixFormat, resolve_kernels
+from sharpi_jax.quant import MatrixFormat
 from sharpi_jax.runtime import batch, draft_vocab, loops
 from sharpi_jax.runtime import session as session_state
 from sharpi_jax.runtime.generate import GenerateOutput
@@ -115,7 +115,7 @@ class Engine:
         self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
                                                     **residency_options)
         run = self.run_config
-        self.matrix_format = MatrixFormat(resolve_kernels(run.kernels), run.repack)
+        self.matrix_format = MatrixFormat.for_run(run)
         _say_if_ggml_missing(run.kernels, self.matrix_format.backend)
         if self.matrix_format.backend == "pallas" and expert_budget is not None:
             raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
@@ -297,15 +297,49 @@ class Engine:
         return None if self._live().residency is None else self.residency.counters(self.runtime)
 
     def calibrate_experts(self, prompts: Sequence[Any], save: bool | str = True) -> dict[int, list[int]]:
-        """Routing counts per layer over prompts, saved for expert_policy="frequency" (see residency)."""
-        return expert_residency.calibrate(self, prompts, save)
+        """Routing counts {layer: [E]} over teacher-forced prompts (text or ids), saved for
+        expert_policy="frequency": save=True beside the model (or in $SHARPI_CACHE), a path there.
+        Needs an engine loaded with an expert budget (any: routing does not depend on residency)."""
+        res = self._live().residency
+        if res is None:
+            raise InputError("calibrate_experts needs an engine loaded with expert_budget= (any budget; the "
+                             "full one keeps every expert resident)")
+        before = res.counters(self.runtime)["counts"]
+        tokens = 0
+        for p in prompts:
+            ids = self._prompt_ids(p)
+            self.logits(ids)
+            tokens += len(ids)
+        counts = expert_residency.routing_delta(before, res.counters(self.runtime)["counts"])
+        if save:
+            expert_residency.save_counts(counts, self.path, self.config, tokens, None if save is True else save)
+        return counts
 
     def calibrate_draft_vocab(self, prompts: Sequence[Any], save: bool | str = True,
                               generate_tokens: int = 64) -> dict[int, int]:
-        """Counts of the model's own greedy outputs on prompts (teacher-forced predictions and up to
-        generate_tokens of continuation each), saved beside the file (or in $SHARPI_CACHE) as the ranking
-        of generate(draft_vocab=N) (`runtime.draft_vocab`)."""
-        counts = draft_vocab.calibrate(self, prompts, save, generate_tokens)
+        """The ranking of generate(draft_vocab=N): over each prompt (text or ids) and its greedy
+        continuation (up to generate_tokens, to an EOS), how often the MTP head's full-vocabulary draft
+        equals the target's greedy token, per token (`runtime.draft_vocab.count_accepted`). Saved beside
+        the file (or in $SHARPI_CACHE) with save=True, at a path with a path."""
+        rt = self._live().runtime
+        counts: dict[int, int] = {}
+        tokens = 0
+        for p in prompts:
+            ids = self._prompt_ids(p)
+            out = self.generate(ids, max_new_tokens=generate_tokens).tokens if generate_tokens > 0 else []
+            seq = [*ids, *out]
+            tokens += len(seq)
+            if len(seq) < 2:
+                continue
+            # One trunk prefill serves both: the target's teacher-forced logits (as `logits`) and the MTP
+            # head's (as `mtp_logits`), which would otherwise run the prefill again.
+            chunks = rt.prefill(rt.new_state(), seq).chunks
+            target = np.argmax(rt.chunk_logits(chunks), axis=-1)[1:]
+            draft_vocab.count_accepted(counts, target, np.argmax(self.mtp.teacher_forced_logits(seq, chunks), axis=-1))
+        if not tokens:
+            raise InputError("calibrate_draft_vocab needs at least one prompt")
+        if save:
+            draft_vocab.save(counts, self.path, tokens, None if save is True else save)
         if self._mtp is not None:
             self._mtp.forget_draft_vocabs()
         return counts
@@ -530,8 +564,8 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
     sizes, each compiled once), expert_mode ("grouped" | "per_token" routed-expert dispatch; bitwise
     equal), row_kernel ("gemm" | "gemv"), gdn_chunk, kernels ("auto" | "xla" |
     "pallas" | "reference" | any name registered in `sharpi_jax.quant.registry`: the kernel backend of
-    every matrix and routed-expert stack, "auto" = the best-ranked for the platform, Pallas on a GPU,
-    XLA elsewhere), repack
+    every matrix and routed-expert stack, "auto" = the best-ranked for the platform: Pallas on a GPU,
+    ggml on a CPU, XLA where neither can run), repack
     ("auto": on XLA:CPU quantized matrices of >= 4M weights are repacked to int8 rows, lossy, 1 B/weight:
     the fast CPU path for an LM head; None: every matrix in its GGUF encoding, exact; "int8": all
     quantized matrices repacked); progress (tqdm bar; default: files >= 256 MiB),

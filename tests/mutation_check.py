@@ -110,6 +110,9 @@ def run_one(m: Mutation, wider: bool, timeout: float) -> Result:
     with tempfile.TemporaryDirectory(prefix=f"mutation-{m.name}-") as tmp:
         root = Path(tmp) / "repo"
         shutil.copytree(REPO_ROOT, root, ignore=IGNORE)
+        # pallas_kernels/ installs as sharpi_jax.pallas_kernels (pyproject's wheel.packages); the copy is
+        # imported from its tree, not installed, so a link puts the copy's kernels in that place.
+        (root / "sharpi_jax" / "pallas_kernels").symlink_to(root / "pallas_kernels", target_is_directory=True)
         why = apply(root, m)
         if why:
             return Result(m.name, "stale", [], time.perf_counter() - t0, why)
@@ -123,8 +126,8 @@ def run_one(m: Mutation, wider: bool, timeout: float) -> Result:
                    PYTHONDONTWRITEBYTECODE="1")
         env.pop("PYTHONPATH", None)
         env.update(_copy_import_env(extension))
-        probe = subprocess.run([sys.executable, "-c", "import sharpi_jax, pallas_kernels; "
-                                "print(sharpi_jax.__file__); print(pallas_kernels.__file__)"
+        probe = subprocess.run([sys.executable, "-c", "import sharpi_jax, sharpi_jax.pallas_kernels as pk; "
+                                "print(sharpi_jax.__file__); print(pk.__file__)"
                                 + ("; from sharpi_jax.quant import ggml; ggml._ext(); print(ggml._ext().__file__)"
                                    if native else "")],
                                cwd=root, env=env, capture_output=True, text=True)

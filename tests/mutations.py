@@ -477,8 +477,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "draft_vocab_counts_every_output",
         "calibrate_draft_vocab ranks ids by the MTP head's drafts that equal the target's greedy token",
         "sharpi_jax/runtime/draft_vocab.py",
-        (("        for t in target[draft == target].tolist():\n",
-          "        for t in target.tolist():  # MUTATION: every output counted, drafted correctly or not\n"),),
+        (("    for t in np.asarray(target)[np.asarray(draft) == np.asarray(target)].tolist():\n",
+          "    for t in np.asarray(target).tolist():  # MUTATION: every output counted, drafted correctly or not\n"),),
         ("tests/runtime/test_draft_vocab.py::test_output_unchanged_and_calibration_saved",),
     ),
     Mutation(
@@ -561,6 +561,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "sharpi_jax/experts/residency/policies.py",
         (("    order = jnp.lexsort((stamp, ~cand))\n", "    order = jnp.lexsort((-stamp, ~cand))  # MUTATION\n"),),
         ("tests/experts/test_policy_reference.py", "-k", "slru"),
+    ),
+    Mutation(
+        "cli_bench_prefix_dropped",
+        "sharpi COMMAND runs python -m experiments.COMMAND; sharpi bench NAME runs experiments.bench_NAME",
+        "sharpi_jax/cli.py",
+        (("        command, rest = BENCH_PREFIX + rest[0], rest[1:]\n",
+          "        command, rest = rest[0], rest[1:]  # MUTATION: bench NAME runs experiments.NAME\n"),),
+        ("tests/test_cli.py", "-k", "commands_name_their_entry_point"),
+    ),
+    Mutation(
+        "wheel_kernels_top_level",
+        "the wheel installs only sharpi_jax at the top of site-packages",
+        "pyproject.toml",
+        (('"sharpi_jax/pallas_kernels" = "pallas_kernels"', '"pallas_kernels" = "pallas_kernels"'),),
+        ("tests/test_cli.py", "-k", "wheel_installs_only_sharpi_jax"),
+    ),
+    Mutation(
+        "calibration_takes_the_engine",
+        "imports and calls run one way: nothing below api takes the Engine",
+        "sharpi_jax/runtime/draft_vocab.py",
+        (("def count_accepted(counts: dict[int, int], target: np.ndarray, draft: np.ndarray) -> None:\n",
+          "def count_accepted(counts: dict[int, int], target: np.ndarray, draft: np.ndarray,\n"
+          "                   engine=None) -> None:  # MUTATION: a calibration that calls back up\n"),),
+        ("tests/test_imports.py", "-k", "takes_an_engine"),
     ),
 )
 

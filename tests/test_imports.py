@@ -14,12 +14,14 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-# Bottom first: a part may import the parts before it, never one after it. `config` is a leaf
-# (ModelConfig and RunConfig depend only on errors), so the GGUF layer may build a ModelConfig from a
-# file's metadata; `quant` is the quantized-tensor layer; `model` declares the contracts it calls (the
-# expert provider), `experts` implements them; `training` builds on model and experts.
-LAYERS = ("errors", "assets", "config", "gguf", "quant", "model", "experts", "runtime", "training", "testing",
-          "api", "sharpi_jax")
+# Bottom first: a part may import the parts before it, never one after it. `pallas_kernels` (the
+# repository's pallas_kernels/, installed as sharpi_jax.pallas_kernels) imports nothing of sharpi_jax;
+# `paths` knows where files go. `config` is a leaf (ModelConfig and RunConfig depend only on errors), so
+# the GGUF layer may build a ModelConfig from a file's metadata; `quant` is the quantized-tensor layer;
+# `model` declares the contracts it calls (the expert provider), `experts` implements them; `training`
+# builds on model and experts; `cli` runs the checkout's entry points.
+LAYERS = ("pallas_kernels", "errors", "paths", "assets", "config", "gguf", "quant", "model", "experts", "runtime",
+          "training", "testing", "api", "cli", "sharpi_jax")
 PACKAGE = REPO_ROOT / "sharpi_jax"
 KERNELS = REPO_ROOT / "pallas_kernels"
 
@@ -148,3 +150,26 @@ def test_kernels_import_no_model_code():
     bad = [f"{p.relative_to(REPO_ROOT)}:{line} imports {t}" for p in sorted(KERNELS.rglob("*.py"))
            for line, t, _ in _imports(p) if t.split(".")[0] == "sharpi_jax"]
     assert not bad, "pallas_kernels must not import sharpi_jax:\n" + "\n".join(bad)
+
+
+def _engine_parameters(path: Path):
+    """(line, function, parameter) for each parameter named `engine` or annotated with `Engine`."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                if arg is None:
+                    continue
+                note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg == "engine" or "Engine" in note:
+                    yield node.lineno, getattr(node, "name", "<lambda>"), arg.arg
+
+
+def test_nothing_below_api_takes_an_engine():
+    """Calls run one way too: a module below `api` is given arrays, callables or runtimes, never the
+    Engine to call back up into (calibration lives on the Engine; the layers below hold its parts)."""
+    rank = {p: i for i, p in enumerate(LAYERS)}
+    bad = [f"{p.relative_to(REPO_ROOT)}:{line} {fn}({arg})" for p in sorted(PACKAGE.rglob("*.py"))
+           if rank.get(_part(_module_name(p)), len(LAYERS)) < rank["api"]
+           for line, fn, arg in _engine_parameters(p)]
+    assert not bad, "functions below api that take an Engine:\n" + "\n".join(bad)

@@ -5,9 +5,9 @@
 - `pallas_triton`: the Pallas kernel, lowered through Triton on GPU, `interpret=True` on CPU.
 """
 
-from pallas_kernels.grouped_matmul.layout import GroupLayout, gather_rows, group_layout, max_tiles, scatter_rows
-from pallas_kernels.grouped_matmul.pallas_triton import WEIGHT_FIELDS, grouped_matmul
-from pallas_kernels.grouped_matmul.reference import dense_weights, grouped_matmul_reference, ragged_dot_reference
+from .layout import GroupLayout, gather_rows, group_layout, max_tiles, scatter_rows
+from .pallas_triton import WEIGHT_FIELDS, grouped_matmul
+from .reference import dense_weights, grouped_matmul_reference, ragged_dot_reference
 
 __all__ = [
     "GroupLayout",

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import quant_blocks as qb
+from .. import quant_blocks as qb
 
 WEIGHT_FIELDS = qb.KERNEL_FIELDS
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import quant_blocks as qb
+from .. import quant_blocks as qb
 
 
 def dense_weights(w: dict[str, jax.Array], qtype: str) -> jax.Array:

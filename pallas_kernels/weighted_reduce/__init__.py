@@ -4,7 +4,7 @@
 - `kernel`: the Pallas kernel (Triton on GPU, `interpret=True` on CPU).
 """
 
-from pallas_kernels.weighted_reduce.kernel import weighted_reduce
-from pallas_kernels.weighted_reduce.reference import weighted_reduce_reference
+from .kernel import weighted_reduce
+from .reference import weighted_reduce_reference
 
 __all__ = ["weighted_reduce", "weighted_reduce_reference"]

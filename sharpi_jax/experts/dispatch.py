@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.weighted_reduce import reference as wr_reference
+from sharpi_jax.pallas_kernels.weighted_reduce import reference as wr_reference
 from sharpi_jax import config, quant
 from sharpi_jax.errors import InputError
 from sharpi_jax.quant import QTensor

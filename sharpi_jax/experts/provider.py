@@ -30,11 +30,6 @@ def matrix_shape(n: int, d_model: int, d_ff: int, which: str) -> tuple[int, int,
     return (n, d_model, d_ff) if which == "down" else (n, d_ff, d_model)
 
 
-def run_format(run: RunConfig) -> quant.MatrixFormat:
-    """The run's matrix format (its resolved kernel backend and repacking)."""
-    return quant.MatrixFormat(quant.resolve_kernels(run.kernels), run.repack)
-
-
 class ExpertFormat:
     """How one layer's expert stacks are held: the backend serving all three types (`MatrixFormat.
     experts_backend`) and its layouts. `zeros(n)` / `pack(raws)` build stacks of n experts."""
@@ -68,7 +63,7 @@ class RoutedExperts(nnx.Module):
         self.n_expert, self.d_model, self.d_ff = n_expert, d_model, d_ff
         self.mode, self.row_kernel = run.expert_mode, run.row_kernel
         self.qtypes = tuple(int(q) for q in qtypes)
-        self.format = ExpertFormat(run_format(run), self.qtypes, d_model, d_ff)
+        self.format = ExpertFormat(quant.MatrixFormat.for_run(run), self.qtypes, d_model, d_ff)
         for which in EXPERT_MATRICES:
             setattr(self, which, QuantBlocks(self.format.zeros(n_expert, which)))
 
@@ -109,7 +104,8 @@ class GGUFExperts:
     def format(self, layer: int) -> ExpertFormat:
         """How layer `layer`'s expert stacks are held."""
         c = self.config
-        return ExpertFormat(run_format(self.run), expert_qtypes(self.gguf, layer), c.d_model, c.expert_ff)
+        fmt = quant.MatrixFormat.for_run(self.run)
+        return ExpertFormat(fmt, expert_qtypes(self.gguf, layer), c.d_model, c.expert_ff)
 
     def source(self, layer: int, path: tuple) -> Callable[[], Any]:
         """The loader of one param of `modules()(layer)`, by its path inside that module."""

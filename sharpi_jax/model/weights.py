@@ -26,7 +26,7 @@ from sharpi_jax.gguf import quants
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.model.transformer import Block, Transformer
-from sharpi_jax.quant import MatrixFormat, QTensor, abstract, pack_rows, resolve_kernels
+from sharpi_jax.quant import MatrixFormat, QTensor, abstract, pack_rows
 
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for files at least this large
 Source = Callable[[], Any]  # loads one param's value
@@ -276,11 +276,6 @@ def _fill(f: GGUFFile, make: Callable[[], nnx.Module], source: Callable[[tuple],
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def matrix_format(run: RunConfig) -> MatrixFormat:
-    """How a run holds the model's matrices: its resolved kernel backend and repacking."""
-    return MatrixFormat(resolve_kernels(run.kernels), run.repack)
-
-
 def _experts_for(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None) -> ExpertLoader | None:
     if config.is_moe and experts is None:
         raise GGUFError(f"{f.source}: a MoE model needs an expert loader (sharpi_jax.experts.GGUFExperts)")
@@ -297,7 +292,7 @@ def load_model(f: GGUFFile, config: ModelConfig, experts: ExpertLoader | None = 
     experts = _experts_for(f, config, experts)
     if progress is None:
         progress = f.file_size >= PROGRESS_MIN_BYTES
-    fmt = matrix_format(run)
+    fmt = MatrixFormat.for_run(run)
     return _fill(f, lambda: Transformer(config, experts.modules() if experts is not None else None, run),
                  lambda path: _param_source(f, config, fmt, path, experts), progress)
 
@@ -309,7 +304,7 @@ def load_block(f: GGUFFile, config: ModelConfig, layer: int, experts: ExpertLoad
     _check_supported(f)
     experts = _experts_for(f, config, experts)
     return _fill(f, lambda: Block(config, layer, experts.modules()(layer) if experts is not None else None, run),
-                 lambda path: _block_source(f, config, matrix_format(run), layer, path, experts), False)
+                 lambda path: _block_source(f, config, MatrixFormat.for_run(run), layer, path, experts), False)
 
 
 def _mtp_source(f: GGUFFile, c: ModelConfig, fmt: MatrixFormat, trunk: Transformer | None, path: tuple,
@@ -338,4 +333,4 @@ def load_mtp(f: GGUFFile, config: ModelConfig, trunk: Transformer | None = None,
     def make() -> MTPHead:
         return MTPHead(config, experts.modules()(config.mtp_layer) if experts is not None else None, run)
 
-    return _fill(f, make, lambda path: _mtp_source(f, config, matrix_format(run), trunk, path, experts), False)
+    return _fill(f, make, lambda path: _mtp_source(f, config, MatrixFormat.for_run(run), trunk, path, experts), False)

@@ -28,6 +28,7 @@ M gives the same bits per row; the Pallas kernel's per-row reduction order depen
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,12 @@ class MatrixFormat:
 
     def __post_init__(self):
         registry.check_repack(self.backend, self.repack)
+
+    @classmethod
+    def for_run(cls, run: Any) -> "MatrixFormat":
+        """A run's format (a `RunConfig`): its kernels resolved for the platform ("auto": the best-ranked
+        backend there, `registry.resolve_kernels`) and its repacking. The one place a run's format is made."""
+        return cls(registry.resolve_kernels(run.kernels), run.repack)
 
     def backend_for(self, qtype: int, shape: tuple[int, ...]) -> str:
         """The backend that holds and computes a tensor of this type and shape."""

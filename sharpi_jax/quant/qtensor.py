@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pallas_kernels import KERNEL_TYPES as PALLAS_KERNEL_TYPES
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import KERNEL_TYPES as PALLAS_KERNEL_TYPES
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 from sharpi_jax.errors import UnsupportedQuantError
 from sharpi_jax.gguf import quants as formats
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import jax
 
-from pallas_kernels.weighted_reduce import reference as wr_reference
+from sharpi_jax.pallas_kernels.weighted_reduce import reference as wr_reference
 from sharpi_jax.config import REPACKS
 from sharpi_jax.errors import InputError
 from sharpi_jax.quant.qtensor import QTensor

@@ -1,7 +1,9 @@
-"""Generation as ONE jitted program per run: the decode loop (MTP off) and the MTP chain loop (draft,
-verify, accept, rollback, emit, stop) each run as a `lax.while_loop` on the device after the prefill.
+"""Generation as ONE jitted program per run: the decode loop (MTP off), the MTP chain loop (draft,
+verify, accept, rollback, emit, stop) and the MTP tree loop (draft a tree, verify it in one pass, take
+the longest accepted path: `tree_device`) each run as a `lax.while_loop` on the device after the prefill.
 
-The host loops (`generate.generate_ids`, `speculative.generate_mtp`) are the sequential reference;
+The host loops (`generate.generate_ids`, `speculative.generate_mtp`, `tree.generate_tree`) are the
+sequential reference;
 these run the same jitted step functions (nested in the loop body), the same sampling rule
 (`sampling.draw` with the key of each generated-token index) and the same stop order (an EOS set,
 max_new_tokens, then the context end), so they give the same tokens bit for bit

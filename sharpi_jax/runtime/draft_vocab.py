@@ -4,9 +4,10 @@ The draft step's LM head product is restricted to N gathered rows of the head (g
 their own QTensor rows, `DraftVocab`), its argmax mapped back to a token id. Verification always uses
 the full head, so the output is unchanged; only the acceptance can drop.
 
-Ranking: token ids by calibrated frequency (`calibrate`: how often the MTP head's full-vocabulary draft
-equals the target's greedy token, over each prompt and its greedy continuation: the drafts a subset can
-keep or lose), saved beside the model as `<model>.gguf.draft-vocab.json` (or in $SHARPI_CACHE, default
+Ranking: token ids by calibrated frequency (`Engine.calibrate_draft_vocab`, `count_accepted`: how often
+the MTP head's full-vocabulary draft equals the target's greedy token, over each prompt and its greedy
+continuation: the drafts a subset can keep or lose), saved beside the model as
+`<model>.gguf.draft-vocab.json` (or in $SHARPI_CACHE, default
 ~/.cache/sharpi-jax, when its directory is read-only) and found there automatically; ids never seen
 follow in id order. The embedded model ships one (`experiments.draft_vocab_quality --install`).
 Fallback when nothing is saved: token id order, which for a byte-level BPE vocabulary is the merge
@@ -20,14 +21,14 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sharpi_jax.errors import InputError
-from sharpi_jax.experts.residency.counts import calibration_paths, save_json
+from sharpi_jax.paths import calibration_paths, save_json
 from sharpi_jax.quant import QTensor, matmul
 
 SUFFIX = ".draft-vocab.json"
@@ -83,41 +84,14 @@ def save(counts: Mapping[int, int], model_path: str | os.PathLike[str], tokens: 
     return save_json(data, [Path(path)] if path is not None else vocab_paths(model_path), "the draft vocabulary")
 
 
-def calibrate(engine, prompts: Sequence[Any], save_to: bool | str | os.PathLike[str] = True,
-              generate_tokens: int = 64) -> dict[int, int]:
-    """Counts of accepted first drafts over prompts (text or ids): each prompt is extended by the
-    target's greedy continuation (up to generate_tokens, to an EOS), and at every position p of that
-    sequence where the MTP head's full-vocabulary draft (teacher-forced, as `engine.mtp_logits`) equals the
-    target's greedy token at p + 1, that token is counted. A draft vocabulary keeps exactly the accepted
-    drafts whose token it holds, so these are the ids worth holding; tokens the head never drafts
-    correctly (rare identifiers) count for nothing, where plain output frequency ranked them high
-    (WORKSPACE, "Draft vocabulary: the ranking and its acceptance"). save_to=True saves beside the
-    model; a path saves there."""
-    rt = engine.runtime
-    counts: dict[int, int] = {}
-    tokens = 0
-    for p in prompts:
-        ids = engine.check_ids(engine.tokenizer.encode(p) if isinstance(p, str) else list(p))
-        if not ids:
-            continue
-        out = engine.generate(ids, max_new_tokens=generate_tokens).tokens if generate_tokens > 0 else []
-        seq = [*ids, *out]
-        tokens += len(seq)
-        if len(seq) < 2:
-            continue
-        # One trunk prefill serves both: the target's teacher-forced logits (as `Engine.logits`) and the
-        # MTP head's (as `Engine.mtp_logits`), which would otherwise run the prefill again.
-        chunks = rt.prefill(rt.new_state(), seq).chunks
-        target = np.argmax(rt.chunk_logits(chunks), axis=-1)[1:]
-        draft = np.argmax(engine.mtp.teacher_forced_logits(seq, chunks), axis=-1)
-        # target[p - 1]: the target's token at p + 1; draft[p - 1]: the head's token at p + 1 (p >= 1)
-        for t in target[draft == target].tolist():
-            counts[int(t)] = counts.get(int(t), 0) + 1
-    if not tokens:
-        raise InputError("calibrate_draft_vocab needs at least one prompt")
-    if save_to:
-        save(counts, engine.path, tokens, None if save_to is True else save_to)
-    return counts
+def count_accepted(counts: dict[int, int], target: np.ndarray, draft: np.ndarray) -> None:
+    """Adds to `counts` the tokens where the MTP head's full-vocabulary draft equals the target's greedy
+    token: target[p - 1] is the target's token at p + 1 and draft[p - 1] the head's (teacher-forced over
+    one sequence, `Engine.calibrate_draft_vocab`). A draft vocabulary keeps exactly the accepted drafts
+    whose token it holds, so these are the ids worth holding; tokens the head never drafts correctly
+    (rare identifiers) count for nothing, where plain output frequency ranked them high."""
+    for t in np.asarray(target)[np.asarray(draft) == np.asarray(target)].tolist():
+        counts[int(t)] = counts.get(int(t), 0) + 1
 
 
 def take_rows(w: QTensor, ids: np.ndarray) -> QTensor:

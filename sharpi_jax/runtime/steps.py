@@ -10,7 +10,7 @@ For every row, `verify_step` logits/hidden/snapshots are bitwise those of T succ
 (see `sharpi_jax.model.transformer`). Compiled functions are cached per model graph, so engines of
 the same architecture and quant layout share them.
 
-MTP speculative decoding (issue 4) composes these: prefill -> (chain of drafts) -> verify_step over
+MTP speculative decoding composes these: prefill -> (chain of drafts) -> verify_step over
 [t, d1..dk] -> accept a drafts -> commit(snapshot a) and set the host length to P + a + 1 (KV rows past
 it are stale and masked, then overwritten). `hidden` rows are the final-normed trunk states the MTP
 head consumes. Every step also runs on a state whose attention caches were compacted by SnapKV

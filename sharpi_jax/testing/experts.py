@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 from sharpi_jax.quant import MatrixFormat, QTensor
 from sharpi_jax.testing.synthetic import random_blocks
 

@@ -22,7 +22,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 from sharpi_jax.errors import InputError, SharpiError, UnsupportedQuantError
 from sharpi_jax.experts import dispatch as dp
 from sharpi_jax.quant import MatrixFormat

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import sharpi_jax as sj
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 from sharpi_jax.config import tiny_qwen35moe
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import residency

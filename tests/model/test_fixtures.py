@@ -136,7 +136,7 @@ def test_chunked_and_recurrent_gdn_agree(name):
 
 
 def test_mtp_block_loads_with_trunk_layout():
-    """`load_block` builds blk.L (the MTP block: attention + FFN) with the trunk's modules, for issue 4."""
+    """`load_block` builds blk.L (the MTP block: attention + FFN) with the trunk's modules."""
     from sharpi_jax.model.attention import GatedAttention
     from sharpi_jax.model.weights import load_block
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import grouped_matmul as gm
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import grouped_matmul as gm
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 
 
 def run_kernel(rng, qtype: str, raw: np.ndarray, k: int, ids, block_m: int = 16, block_n: int = 32,

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from gguf import quants as gq
 
-from pallas_kernels import KERNEL_TYPES
-from pallas_kernels import grouped_matmul as gm
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import KERNEL_TYPES
+from sharpi_jax.pallas_kernels import grouped_matmul as gm
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 from tests.bitwise import assert_bitwise_equal
 from tests.cuda_lowering import lower_for_cuda
 from tests.pallas_kernels.harness import run_kernel

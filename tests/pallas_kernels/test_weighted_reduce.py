@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.weighted_reduce import weighted_reduce, weighted_reduce_reference
+from sharpi_jax.pallas_kernels.weighted_reduce import weighted_reduce, weighted_reduce_reference
 from tests.bitwise import assert_bitwise_equal
 from tests.cuda_lowering import lower_for_cuda
 

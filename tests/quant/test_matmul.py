@@ -16,7 +16,7 @@ from sharpi_jax.quant import MatrixFormat, matmul, pack, pack_rows, reference_ma
 from sharpi_jax.quant import ggml as qtensor_ggml
 from sharpi_jax.quant import qtensor
 from sharpi_jax.quant.backends.xla import quantize_rows_int8
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 from tests.bitwise import assert_bitwise_equal
 from tests.cuda_lowering import lower_for_cuda
 from tests.gguf.test_quants import _random_blocks as random_blocks
@@ -46,7 +46,7 @@ def _raw(qt: Q, rng, rows=N, cols=K) -> np.ndarray:
     return np.asarray(gguf.quants.quantize(w, qt)).reshape(rows, -1)
 
 
-# The types read since issue 23 (i-quants, ternary, NVFP4): held as GGUF blocks, dequantized exactly.
+# The i-quants, ternary and NVFP4 types: held as GGUF blocks, dequantized exactly.
 NEW_TYPES = [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.NVFP4]
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q6_K, *NEW_TYPES]
 EXACT_LAYOUTS = ("float", "float_t", "blocks", "soa", "kernel")

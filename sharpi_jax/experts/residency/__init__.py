@@ -6,7 +6,8 @@ the tokens are the all-resident tokens bit for bit, whatever the budget and poli
 - `plan`: the budget, its minimum, and which experts start in which slots of each MoE layer;
 - `policies`: static / frequency / lru / slru, one `SlotPolicy` interface (plan and ring bookkeeping);
 - `slots`: `ResidentExperts`, a layer's slot stack + LUT + ring state, the provider its MoE calls;
-- `counts`: calibrated routing counts for "frequency" (`calibrate`, saved beside the model);
+- `counts`: calibrated routing counts for "frequency" (`Engine.calibrate_experts` takes them,
+  `routing_delta`; saved beside the model);
 - `stats`: counters and what a run cost (hit rate, bytes streamed, host work);
 - `options`: the load options' types and ranges, checked before anything is planned;
 - `lookahead`: fetching ahead of need (`expert_lookahead`): layer L+1's predicted experts (into its
@@ -25,18 +26,19 @@ import numpy as np
 
 from sharpi_jax.config import ModelConfig, RunConfig
 from sharpi_jax.errors import InputError
-from sharpi_jax.experts.provider import ExpertFormat, run_format
+from sharpi_jax.experts.provider import ExpertFormat
 from sharpi_jax.experts.residency import stats as _stats
-from sharpi_jax.experts.residency.counts import (COUNTS_FORMAT, COUNTS_SUFFIX, calibrate, counts_paths, load_counts,
-                                                 save_counts)
+from sharpi_jax.experts.residency.counts import (COUNTS_FORMAT, COUNTS_SUFFIX, counts_paths, load_counts,
+                                                 routing_delta, save_counts)
 from sharpi_jax.experts.residency.options import OPTION_NAMES, check_options, check_policy
 from sharpi_jax.experts.residency.plan import (LayerSpec, ResidencyPlan, budget_for_fraction, layer_geometry,
                                                minimum_budget, non_expert_bytes, parse_expert_budget, plan_residency)
 from sharpi_jax.experts.residency.policies import POLICIES, SlotPolicy, slot_policy
-from sharpi_jax.experts.residency.slots import (CTR, ExpertCache, ResidentExperts, lookahead_buffer, matrix_shape,
+from sharpi_jax.experts.residency.slots import (CTR, ExpertCache, ResidentExperts, lookahead_buffer,
                                                 staging_buffer)
 from sharpi_jax.experts.streaming import MATRICES, Streamer
 from sharpi_jax.gguf.reader import GGUFFile
+from sharpi_jax.quant import MatrixFormat
 
 
 class Residency:
@@ -59,7 +61,7 @@ class Residency:
         if spec is None:
             return None
         fmt = self._formats[layer] = self.streamer.formats[layer] = ExpertFormat(
-            run_format(run), spec.qtypes, spec.d_model, spec.d_ff)
+            MatrixFormat.for_run(run), spec.qtypes, spec.d_model, spec.d_ff)
         if spec.qtypes not in shared:
             shared[spec.qtypes] = staging_buffer(spec, fmt)
             shared["ahead", spec.qtypes] = lookahead_buffer(spec, fmt) if spec.buffer else None
@@ -154,6 +156,6 @@ def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None
 
 
 __all__ = ["COUNTS_FORMAT", "COUNTS_SUFFIX", "CTR", "ExpertCache", "LayerSpec", "OPTION_NAMES", "POLICIES", "Residency",
-           "ResidencyPlan", "ResidentExperts", "SlotPolicy", "budget_for_fraction", "calibrate", "configure",
+           "ResidencyPlan", "ResidentExperts", "SlotPolicy", "budget_for_fraction", "configure",
            "counts_paths", "layer_geometry", "load_counts", "minimum_budget", "non_expert_bytes", "parse_expert_budget",
-           "plan_residency", "save_counts", "slot_policy"]
+           "plan_residency", "routing_delta", "save_counts", "slot_policy"]

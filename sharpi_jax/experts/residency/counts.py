@@ -13,35 +13,14 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError, shown
+from sharpi_jax.paths import calibration_paths, save_json
 
 COUNTS_SUFFIX = ".expert-counts.json"
 COUNTS_FORMAT = "sharpi-expert-counts/1"
-
-
-def calibration_paths(model_path: str | os.PathLike[str], kind: str, suffix: str) -> list[Path]:
-    """Where a calibration file of `kind` for a model lives: beside it, then in the cache dir
-    ($SHARPI_CACHE/kind, keyed by file name and size, for models in read-only directories)."""
-    p = Path(model_path)
-    cache = Path(os.environ.get("SHARPI_CACHE", Path.home() / ".cache" / "sharpi-jax")) / kind
-    size = p.stat().st_size if p.exists() else 0
-    return [Path(str(p) + suffix), cache / f"{p.name}-{size}{suffix}"]
-
-
-def save_json(data: Any, targets: Sequence[Path], what: str) -> Path:
-    """Writes `data` as JSON to the first writable target (atomically: a .partial file renamed)."""
-    err = None
-    for t in targets:
-        try:
-            t.parent.mkdir(parents=True, exist_ok=True)
-            tmp = t.with_name(t.name + ".partial")
-            tmp.write_text(json.dumps(data))
-            tmp.replace(t)
-            return t
-        except OSError as e:
-            err = e
-    raise InputError(f"cannot save {what} ({list(targets)}): {err}")
 
 
 def counts_paths(model_path: str | os.PathLike[str]) -> list[Path]:
@@ -108,24 +87,7 @@ def save_counts(counts: Mapping[int, Sequence[int]], model_path: str | os.PathLi
     return save_json(data, [Path(path)] if path is not None else counts_paths(model_path), "expert counts")
 
 
-def calibrate(engine, prompts: Sequence[Any], save: bool | str | os.PathLike[str] = True) -> dict[int, list[int]]:
-    """Routing counts {layer: [E]} over teacher-forced prompts (text or ids), saved for 'frequency'.
-
-    The engine must have been loaded with an expert budget (any: the counts are routing decisions, which
-    do not depend on residency). save=True writes beside the model (or the cache dir); a path writes there.
-    """
-    res = getattr(engine, "residency", None)
-    if res is None:
-        raise InputError("calibrate needs an engine loaded with expert_budget= (any budget; the full one "
-                         "keeps every expert resident)")
-    before = res.counters(engine.runtime)["counts"]
-    tokens = 0
-    for p in prompts:
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
-        engine.logits(ids)
-        tokens += len(ids)
-    after = res.counters(engine.runtime)["counts"]
-    counts = {i: [int(x) for x in after[i] - before[i]] for i in sorted(after)}
-    if save:
-        save_counts(counts, engine.path, engine.config, tokens, None if save is True else save)
-    return counts
+def routing_delta(before: Mapping[int, np.ndarray], after: Mapping[int, np.ndarray]) -> dict[int, list[int]]:
+    """{layer: [E]} routing counts taken between two snapshots of the per-expert counters (the "counts"
+    of `Residency.counters`): what `Engine.calibrate_experts` saves for the "frequency" policy."""
+    return {i: [int(x) for x in np.asarray(after[i]) - np.asarray(before[i])] for i in sorted(after)}

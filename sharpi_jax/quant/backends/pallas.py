@@ -19,8 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.weighted_reduce import kernel as wr_kernel
+from sharpi_jax.pallas_kernels import grouped_matmul as gm
+from sharpi_jax.pallas_kernels.weighted_reduce import kernel as wr_kernel
 from sharpi_jax.quant.qtensor import KERNEL_TYPES, Q, QTensor
 from sharpi_jax.quant.registry import Backend, ExpertOptions
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import quant_blocks as qb
+from sharpi_jax.pallas_kernels import quant_blocks as qb
 from sharpi_jax.gguf import quants as formats
 from sharpi_jax.quant.qtensor import FLOAT_TYPES, SOA_TYPES, Q, QTensor
 from sharpi_jax.quant.registry import Backend
