@@ -10,8 +10,8 @@ block's experts are sharded alike), the dense bytes each device holds (replicate
 tok/s (warm, median [min-max] of --repeats interleaved rounds, experiments.timing), and whether every
 N generated the same tokens (it must: the logits are bitwise those of one device). Forced host devices
 share the same CPU cores, so CPU figures show the shape of scaling (collective and dispatch overhead),
-not a speed-up; on GPUs or across hosts (`jax.distributed.initialize()` first, see WORKSPACE.md) each
-device brings its own memory and compute. Timings only; nothing here is a test.
+not a speed-up; on GPUs or across hosts (`jax.distributed.initialize()` first, see docs/residency.md,
+"Several hosts") each device brings its own memory and compute. Timings only; nothing here is a test.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Two ways in, both optional (never a test requirement):
   draft-mtp, so MTP figures need --llama_bin.
 
 Every runner returns a dict of figures, `{"error": ...}` when the tool ran and failed, or None when
-the tool is not available. Building the tools: see WORKSPACE.md ("llama.cpp side by side").
+the tool is not available. Building the tools: docs/benchmarks.md ("llama.cpp side by side").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The research model (issue 24): trained routing shaped like the real family where placement cares.
+"""The research model: trained routing shaped like the real family where placement cares.
 
     python -m experiments.research_model              # build once (a few minutes on 2 cores), print the path
     python -m experiments.research_model --rebuild    # train again

@@ -1,4 +1,4 @@
-r"""The lookahead grid of `experiments.bench_residency --lookahead` (issue 24): expert residency with and
+r"""The lookahead grid of `experiments.bench_residency --lookahead`: expert residency with and
 without fetching ahead, on a model whose routing is trained (default: the research model).
 
 For each budget (`residency.budget_for_fraction`), policy, `expert_lookahead` mode and
