@@ -76,6 +76,30 @@ def generate_batch(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[S
     B, o = len(prompts), opts
     seeds = check_seeds(seeds, B, o.sampling.seed)
     eos = _eos_array(stop_ids)
+    decs, firsts, prefill_s = _prefill_each(runtime, mtp, prompts, o, vocab)
+    P = np.array([len(ids) for ids in prompts], np.int32)
+    logits, sampling = _stack(firsts), _sampling_rows(o.sampling, seeds)
+    t1 = time.perf_counter()
+    out, n, code, end, counts = jax.device_get(_decode_loop(runtime, mtp, decs, logits, P, eos, sampling, o, vocab))
+    decode_s = time.perf_counter() - t1
+    n_tok = int(np.sum(n))
+    batch = {"batch": B, "batch_decode_s": decode_s, "batch_decode_tok_s": n_tok / decode_s if decode_s > 0 else 0.0,
+             "loop": "device"}
+    results = []
+    for b, ids in enumerate(prompts):
+        tokens = [int(x) for x in out[b, :int(n[b])]]
+        stats = {"prompt_tokens": len(ids), "generated_tokens": len(tokens), "prefill_s": prefill_s[b],
+                 "prefill_tok_s": len(ids) / prefill_s[b] if prefill_s[b] > 0 else float("inf"),
+                 "stop_reason": STOP_REASONS[int(code[b])], "seed": seeds[b], **batch}
+        _add_pass_stats(stats, runtime, o, vocab, counts, b, decs[b])
+        results.append(Generation(tokens, stats))
+    return results
+
+
+def _prefill_each(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[Sequence[int]], o: GenerateOptions,
+                  vocab: DraftVocab | None) -> tuple[list, list, list[float]]:
+    """Prefill each prompt on its own: (its decode state, or its MTP / tree decoder; its first logits,
+    ready; its prefill seconds) per prompt."""
     prefill_s, decs, firsts = [], [], []
     for ids in prompts:
         t0 = time.perf_counter()
@@ -93,9 +117,14 @@ def generate_batch(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[S
         jax.block_until_ready(logits)
         firsts.append(logits)
         prefill_s.append(time.perf_counter() - t0)
-    P = np.array([len(ids) for ids in prompts], np.int32)
-    logits, sampling = _stack(firsts), _sampling_rows(o.sampling, seeds)
-    t1 = time.perf_counter()
+    return decs, firsts, prefill_s
+
+
+def _decode_loop(runtime: Runtime, mtp: MTPRuntime | None, decs: list, logits, P: np.ndarray, eos, sampling: tuple,
+                 o: GenerateOptions, vocab: DraftVocab | None) -> tuple:
+    """The batch's device loop from the prefilled `decs` (vmapped over the sequences): (out, n, code, end,
+    counts), device arrays; counts None for MTP off and when nothing is to be generated."""
+    B = len(decs)
     counts = None
     if o.max_new_tokens <= 0:
         out, n, code, end = (np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.full(B, 2, np.int32), P)
@@ -124,30 +153,26 @@ def generate_batch(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[S
             _stack([d.cache for d in decs]), logits, _stack([d.h_prev for d in decs]), P,
             np.int32(o.max_new_tokens), np.int32(runtime.max_context), np.int32(d0.last_position()), eos, sampling,
             out0, K=d0.k, N=d0.n_nodes, c=d0.drafter.c, greedy=o.sampling.greedy)
-    out, n, code, end, counts = jax.device_get((out, n, code, end, counts))
-    decode_s = time.perf_counter() - t1
-    n_tok = int(np.sum(n))
-    batch = {"batch": B, "batch_decode_s": decode_s, "batch_decode_tok_s": n_tok / decode_s if decode_s > 0 else 0.0,
-             "loop": "device"}
-    results = []
-    for b, ids in enumerate(prompts):
-        tokens = [int(x) for x in out[b, :int(n[b])]]
-        stats = {"prompt_tokens": len(ids), "generated_tokens": len(tokens), "prefill_s": prefill_s[b],
-                 "prefill_tok_s": len(ids) / prefill_s[b] if prefill_s[b] > 0 else float("inf"),
-                 "stop_reason": STOP_REASONS[int(code[b])], "seed": seeds[b], **batch}
-        if o.speculative == "mtp":
+    return out, n, code, end, counts
+
+
+def _add_pass_stats(stats: dict, runtime: Runtime, o: GenerateOptions, vocab: DraftVocab | None, counts, b: int,
+                    dec) -> None:
+    """Add sequence b's speculative pass stats (from the loop's fetched `counts`; dec: its decoder) to its
+    `stats`, as generating it alone reports them; nothing for MTP off."""
+    if o.speculative == "mtp":
+        c = None  # no pass ran (max_new_tokens = 0): pass_stats reports zeros, as the run alone does
+        if counts is not None:
             c = {k: (v[b] if np.ndim(v) else v) for k, v in counts.items()}
             c = {k: (v.tolist() if isinstance(v, np.ndarray) else int(v)) for k, v in c.items()}
-            stats.update(speculative="mtp", draft_tokens=o.draft_tokens, verify="batched",
-                         draft_vocab=None if vocab is None else vocab.size, draft_p_min=o.p_min,
-                         **pass_stats(o.draft_tokens, c, "accept_per_position"))
-        elif o.speculative == "mtp_tree":
-            m = int(counts["passes"][b])
-            passes = list(zip(*(counts[key][b][:m].tolist() for key in ("nodes", "depth", "acc"))))
-            stats.update(speculative="mtp_tree", draft_tokens=o.draft_tokens, tree_nodes=decs[b].n_nodes,
-                         verify="batched", **pass_stats(o.draft_tokens, pass_counts(o.draft_tokens, passes),
-                                                        "accept_per_depth"),
-                         drafted_nodes=[x for x, _, _ in passes],
-                         snapshot_bytes_per_node=snapshot_bytes_per_node(runtime.config))
-        results.append(Generation(tokens, stats))
-    return results
+        stats.update(speculative="mtp", draft_tokens=o.draft_tokens, verify="batched",
+                     draft_vocab=None if vocab is None else vocab.size, draft_p_min=o.p_min,
+                     **pass_stats(o.draft_tokens, c, "accept_per_position"))
+    elif o.speculative == "mtp_tree":
+        m = 0 if counts is None else int(counts["passes"][b])
+        passes = [] if m == 0 else list(zip(*(counts[key][b][:m].tolist() for key in ("nodes", "depth", "acc"))))
+        stats.update(speculative="mtp_tree", draft_tokens=o.draft_tokens, tree_nodes=dec.n_nodes,
+                     verify="batched", **pass_stats(o.draft_tokens, pass_counts(o.draft_tokens, passes),
+                                                    "accept_per_depth"),
+                     drafted_nodes=[x for x, _, _ in passes],
+                     snapshot_bytes_per_node=snapshot_bytes_per_node(runtime.config))

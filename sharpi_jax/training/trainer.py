@@ -195,27 +195,35 @@ def train(config: ModelConfig, corpus: data_lib.Corpus, tc: TrainConfig, seed: i
             now = time.perf_counter()
             tps = (tokens - tok_last) / max(now - t_last, 1e-9)
             t_last, tok_last = now, tokens
-            for r in rows:
-                history.append({k: float(v) for k, v in r.items()})
-            r = history[-1]
-            r["tok_s"] = tps
-            r["elapsed_s"] = now - t0
-            msg = (f"step {step:5d}  loss {r['loss']:.4f}  ce {r['ce']:.4f}  mtp {r.get('mtp_ce', float('nan')):.4f}"
-                   f"  aux {r['aux']:.3f}  kept {r['kept']:.3f}  |g| {r['grad_norm']:.2f}  lr {lr:.2e}"
-                   f"  {tps:,.0f} tok/s  {now - t0:.0f}s")
-            if step % tc.eval_every == 0 and val:
-                r.update(evaluate())
-                msg += (f"  | val ce {r['val_ce']:.4f}  mtp {r.get('val_mtp_ce', float('nan')):.4f}"
-                        f"  acc {r['val_acc']:.3f}  mtp_agree {r.get('val_mtp_agree', float('nan')):.3f}")
-            log(msg)
+            history.extend(_float_rows(rows))
+            history[-1].update(tok_s=tps, elapsed_s=now - t0)
+            _log_row(history[-1], step, lr, log, evaluate if step % tc.eval_every == 0 and val else None)
     if pending:
-        for r in jax.device_get(pending):
-            history.append({k: float(v) for k, v in r.items()})
+        history.extend(_float_rows(jax.device_get(pending)))
     if val and history and "val_ce" not in history[-1]:
         history[-1].update(evaluate())
     wall = time.perf_counter() - t0
     return TrainResult(params={k: np.asarray(v) for k, v in params.items()}, history=history, steps=step,
                        wall_s=wall, tokens=tokens)
+
+
+def _float_rows(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Fetched metric rows as curve rows of Python floats."""
+    return [{k: float(v) for k, v in r.items()} for r in rows]
+
+
+def _log_row(r: dict[str, float], step: int, lr: float, log: Callable[[str], None],
+             evaluate: Callable[[], dict[str, float]] | None = None) -> None:
+    """Log the curve row `r` of a log step (its tok_s and elapsed_s set); with `evaluate` (an eval step),
+    first add the val metrics to r and to the line."""
+    msg = (f"step {step:5d}  loss {r['loss']:.4f}  ce {r['ce']:.4f}  mtp {r.get('mtp_ce', float('nan')):.4f}"
+           f"  aux {r['aux']:.3f}  kept {r['kept']:.3f}  |g| {r['grad_norm']:.2f}  lr {lr:.2e}"
+           f"  {r['tok_s']:,.0f} tok/s  {r['elapsed_s']:.0f}s")
+    if evaluate is not None:
+        r.update(evaluate())
+        msg += (f"  | val ce {r['val_ce']:.4f}  mtp {r.get('val_mtp_ce', float('nan')):.4f}"
+                f"  acc {r['val_acc']:.3f}  mtp_agree {r.get('val_mtp_agree', float('nan')):.3f}")
+    log(msg)
 
 
 def export(out_dir: str | os.PathLike[str], config: ModelConfig, vocab, params: Mapping[str, np.ndarray],

@@ -82,6 +82,14 @@ def test_batch_of_three_equals_alone_with_eos_mid_batch(default_engine, mode, sa
     assert reasons[0] == "eos" and len(got[0].tokens) <= 6 and "max_new_tokens" in reasons[1:], reasons
 
 
+@pytest.mark.parametrize("mode", [None, "mtp", "mtp_tree"], ids=["plain", "chain", "tree"])
+def test_nothing_to_generate(default_engine, mode):
+    """max_new_tokens = 0: no token and no pass, each sequence's stats those of the run alone."""
+    e = default_engine
+    got = check(e, [e.tokenizer.encode(p) for p in PROMPTS[:2]], mode, GREEDY, n=0)
+    assert [g.tokens for g in got] == [[], []]
+
+
 @pytest.mark.parametrize("B", [1, 8])
 def test_batch_sizes(default_engine, B):
     e = default_engine

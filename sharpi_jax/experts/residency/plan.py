@@ -176,13 +176,7 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
                    stream_min_rows: int | None = None, lookahead: str | None = None,
                    lookahead_buffer: int | None = None) -> ResidencyPlan:
     """Place experts into per-layer slots within `expert_budget` bytes (see the module doc)."""
-    lookahead = lookahead or "none"
-    if lookahead not in LOOKAHEAD_MODES:
-        raise InputError(f"expert_lookahead must be one of {LOOKAHEAD_MODES}, got {shown(lookahead)}")
-    buffer = int(lookahead_buffer or 0)
-    if buffer and lookahead not in PREDICT_MODES:
-        raise InputError(f"expert_lookahead_buffer holds predicted experts: it needs expert_lookahead in "
-                         f"{PREDICT_MODES}, got {shown(lookahead)}")
+    lookahead, buffer = _checked_lookahead(lookahead, lookahead_buffer)
     if policy not in POLICIES:
         raise InputError(f"expert_policy must be one of {POLICIES}, got {shown(policy)}")
     if not c.is_moe:
@@ -215,18 +209,11 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
         staging = buffer = 0
         n_slots = {i: E for i in layers}
     else:
-        staging = min(staging, E)
-        buffer = min(buffer, E)
-        avail = budget - staging * group_bpe
-        if avail < 0:
-            raise InputError(f"expert_budget = {budget} bytes is below the staging of {staging} experts "
-                             f"({staging * group_bpe} bytes); lower expert_staging or raise the budget")
-        n_slots = _allocate(layers, bpe, E, k, avail, counts if pol.greedy_by_counts else None)
-        if buffer:
-            n_slots = _carve_buffer(n_slots, layers, bpe, buffer * group_bpe, budget - staging * group_bpe)
+        staging, buffer, n_slots = _partial_slots(layers, bpe, group_bpe, E, k, budget, staging, buffer,
+                                                  counts if pol.greedy_by_counts else None)
     if pol.greedy_by_counts and counts is None and not full:
         warnings.warn("expert_policy='frequency' without calibrated counts: using the static order "
-                      "(run Engine.calibrate_experts or sharpi_jax.experts.residency.calibrate)", stacklevel=3)
+                      "(run Engine.calibrate_experts)", stacklevel=3)
     ring_frac = pol.ring_share if ring is None else float(ring)
     if ring is None and lookahead != "none":  # fetched-ahead experts need ring slots to land in
         ring_frac = max(ring_frac, LOOKAHEAD_RING_SHARE)
@@ -243,6 +230,37 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
     plan = ResidencyPlan(policy, budget, staging, specs, total, min_budget, counts_source, buffer)
     assert plan.device_bytes <= budget or full, "planner exceeded the budget"
     return plan
+
+
+def _checked_lookahead(lookahead: str | None, lookahead_buffer: int | None) -> tuple[str, int]:
+    """(lookahead mode, buffer experts) of the options: the mode defaults to "none", and a buffer needs a
+    predicting mode (InputError otherwise)."""
+    lookahead = lookahead or "none"
+    if lookahead not in LOOKAHEAD_MODES:
+        raise InputError(f"expert_lookahead must be one of {LOOKAHEAD_MODES}, got {shown(lookahead)}")
+    buffer = int(lookahead_buffer or 0)
+    if buffer and lookahead not in PREDICT_MODES:
+        raise InputError(f"expert_lookahead_buffer holds predicted experts: it needs expert_lookahead in "
+                         f"{PREDICT_MODES}, got {shown(lookahead)}")
+    return lookahead, buffer
+
+
+def _partial_slots(layers, bpe, group_bpe: int, E: int, k: int, budget: int, staging: int, buffer: int,
+                   counts) -> tuple[int, int, dict[int, int]]:
+    """(staging, buffer, slots per layer) of a budget below every expert: the staging and buffer capped
+    at E experts, the slots in what the staging leaves (`_allocate`; counts: None unless the policy is
+    greedy by counts), less the buffer's bytes (`_carve_buffer`). InputError if the staging alone is over
+    the budget or the slots cannot pay for the buffer."""
+    staging = min(staging, E)
+    buffer = min(buffer, E)
+    avail = budget - staging * group_bpe
+    if avail < 0:
+        raise InputError(f"expert_budget = {budget} bytes is below the staging of {staging} experts "
+                         f"({staging * group_bpe} bytes); lower expert_staging or raise the budget")
+    n_slots = _allocate(layers, bpe, E, k, avail, counts)
+    if buffer:
+        n_slots = _carve_buffer(n_slots, layers, bpe, buffer * group_bpe, avail)
+    return staging, buffer, n_slots
 
 
 def _carve_buffer(n_slots: dict[int, int], layers, bpe, need: int, avail: int) -> dict[int, int]:

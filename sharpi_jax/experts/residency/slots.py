@@ -39,7 +39,8 @@ from jax.experimental import io_callback
 
 from sharpi_jax.config import RunConfig
 from sharpi_jax.experts import dispatch
-from sharpi_jax.experts.provider import ExpertFormat, run_format
+from sharpi_jax.experts.provider import ExpertFormat
+from sharpi_jax.quant import MatrixFormat
 from sharpi_jax.experts.residency import lookahead
 from sharpi_jax.experts.residency.plan import PASS_MODES, LayerSpec
 from sharpi_jax.experts.residency.policies import slot_policy
@@ -74,11 +75,6 @@ class _Stacked:
         if self.a is None:
             return self.b.load(e - self.n_a)
         return jax.lax.cond(e < self.n_a, self.a.load, lambda e: self.b.load(e - self.n_a), e)
-
-
-def matrix_shape(spec: LayerSpec, m: str) -> tuple[int, int]:
-    """[rows, cols] of one expert's matrix `m` in a layer."""
-    return (spec.d_model, spec.d_ff) if m == "down" else (spec.d_ff, spec.d_model)
 
 
 def _concat(parts) -> object:
@@ -130,7 +126,7 @@ class ResidentExperts(nnx.Module):
         self.spec = spec
         self.streamer = streamer
         self.mode, self.row_kernel = run.expert_mode, run.row_kernel
-        self.format = ExpertFormat(run_format(run), spec.qtypes, spec.d_model, spec.d_ff)
+        self.format = ExpertFormat(MatrixFormat.for_run(run), spec.qtypes, spec.d_model, spec.d_ff)
         S, E = spec.n_slots, spec.n_expert
         for m in MATRICES:
             setattr(self, m, ExpertCache(self.format.zeros(S, m)))
@@ -191,14 +187,7 @@ class ResidentExperts(nnx.Module):
             labels, v["ctr"] = lookahead.score_buffer(labels, v["ctr"], bslot, s.layer, _C)
             self._set_ahead(labels)
         hit = slot >= 0
-        ctr = v["ctr"]
-        for name, val in (("batches", 1), ("rows", vmask[:, 0].sum()), ("pairs", vmask.sum()),
-                          ("hits", (vmask & hit).sum()), ("misses", (vmask & ~hit).sum())):
-            ctr = ctr.at[_C[name]].add(jnp.asarray(val, jnp.int32))
-        batch_counts = jnp.bincount(jnp.where(vmask, sel, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
-        v["ctr"] = ctr.at[_C["unique"]].add((batch_counts > 0).sum().astype(jnp.int32))
-        v["counts"] = v["counts"] + batch_counts
-        v["clock"] = v["clock"] + 1
+        v = self._tally(v, sel, hit, vmask)
         if s.predicts:  # what the prefetch before this call brought: used now, or not
             v["ctr"], v["fresh"] = lookahead.score_prefetch(v["ctr"], v["fresh"], used, _C)
         if s.n_ring:
@@ -222,20 +211,40 @@ class ResidentExperts(nnx.Module):
             out, v, staged, tgt = slow(*args)
         else:
             out, v, staged, tgt = jax.lax.cond(jnp.all(hit), fast, slow, *args)
-        if tgt.shape[0]:
-            nv = tgt.shape[0]
-            put = lambda a, b: a.at[tgt].set(b[:nv], mode="drop")  # noqa: E731
-            stack = jax.lax.cond(jnp.any(tgt < S),
-                                 lambda st: {m: dataclasses.replace(st[m], data=jax.tree.map(put, st[m].data,
-                                                                                             staged[m].data))
-                                             for m in MATRICES},
-                                 lambda st: st, stack)
+        stack = self._write_ring(stack, staged, tgt)
         for name in self._SMALL:
             getattr(self, name).set_value(v[name])
         for m in MATRICES:
             getattr(self, m).set_value(stack[m])
             self.staged[m].set_value(staged[m])
         return out
+
+    def _tally(self, v: dict, sel: jax.Array, hit: jax.Array, vmask: jax.Array) -> dict:
+        """v with the call's counters (batches, rows, pairs, hits, misses, unique experts), per-expert
+        counts and clock advanced. hit: pairs found in the slots or the lookahead buffer."""
+        E = self.spec.n_expert
+        ctr = v["ctr"]
+        for name, val in (("batches", 1), ("rows", vmask[:, 0].sum()), ("pairs", vmask.sum()),
+                          ("hits", (vmask & hit).sum()), ("misses", (vmask & ~hit).sum())):
+            ctr = ctr.at[_C[name]].add(jnp.asarray(val, jnp.int32))
+        batch_counts = jnp.bincount(jnp.where(vmask, sel, E).reshape(-1), length=E + 1)[:E].astype(jnp.int32)
+        v["ctr"] = ctr.at[_C["unique"]].add((batch_counts > 0).sum().astype(jnp.int32))
+        v["counts"] = v["counts"] + batch_counts
+        v["clock"] = v["clock"] + 1
+        return v
+
+    def _write_ring(self, stack: dict, staged: dict, tgt: jax.Array) -> dict:
+        """The slot stack with the staged experts copied into ring slots `tgt` (S: none), by a cond of
+        its own after the call's cond (see the class doc)."""
+        if not tgt.shape[0]:
+            return stack
+        S, nv = self.spec.n_slots, tgt.shape[0]
+        put = lambda a, b: a.at[tgt].set(b[:nv], mode="drop")  # noqa: E731
+        return jax.lax.cond(jnp.any(tgt < S),
+                            lambda st: {m: dataclasses.replace(st[m], data=jax.tree.map(put, st[m].data,
+                                                                                        staged[m].data))
+                                        for m in MATRICES},
+                            lambda st: st, stack)
 
     def _n_write(self, n_rows: int) -> int:
         """Ring slots one batch may overwrite (static)."""
@@ -247,7 +256,7 @@ class ResidentExperts(nnx.Module):
         entries) the call uses."""
         s = self.spec
         N, k = sel.shape
-        E, S, D, F, P = s.n_expert, s.n_slots, s.d_model, s.d_ff, s.buffer
+        E, S, D, P = s.n_expert, s.n_slots, s.d_model, s.buffer
         hit = slot >= 0
         m_max = min(N * k, E)
         n_stage = s.n_stage(N)  # static: the staging this bucket may fill
@@ -268,8 +277,8 @@ class ResidentExperts(nnx.Module):
             shapes += [jax.ShapeDtypeStruct((n_stage,) + vw.shape[1:], jnp.uint8) for vw in src.views]
         if with_host:
             shapes.append(jax.ShapeDtypeStruct((N, k, D), jnp.float32))
-        res = io_callback(functools.partial(self.streamer.serve, s.layer, n_stage, with_host, self.row_kernel), tuple(shapes),
-                          stream_ids, host_ids, u, sel, vmask[:, 0], ordered=False)
+        res = io_callback(functools.partial(self.streamer.serve, s.layer, n_stage, with_host, self.row_kernel),
+                          tuple(shapes), stream_ids, host_ids, u, sel, vmask[:, 0], ordered=False)
         ctr = v["ctr"]
         ctr = ctr.at[_C["slow_batches"]].add(1)
         ctr = ctr.at[_C["streamed"]].add((stream_ids >= 0).sum().astype(jnp.int32))
@@ -294,7 +303,8 @@ class ResidentExperts(nnx.Module):
                             (dispatch.StackView(self._weights(ahead)) if P else None, P),
                             (dispatch.StackView(self._weights(staged)), n_stage)])
             idx_d = jnp.where(on_dev, idx, jnp.maximum(jnp.max(idx), 0))  # host pairs ride along a used expert
-            y_dev = jax.lax.cond(jnp.any(on_dev), lambda: dispatch.expert_rows(u, idx_d, view, mode, self.row_kernel)[0],
+            y_dev = jax.lax.cond(jnp.any(on_dev),
+                                 lambda: dispatch.expert_rows(u, idx_d, view, mode, self.row_kernel)[0],
                                  lambda: jnp.zeros((N, k, D), jnp.float32))
             y = jnp.where(on_dev[..., None], y_dev, res[-1]) if with_host else y_dev
         else:

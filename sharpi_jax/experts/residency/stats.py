@@ -51,13 +51,11 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
     layers = sorted(after["device"])
     d = {i: {n: after["device"][i][n] - before["device"][i][n] for n in CTR} for i in layers}
     h = {n: {i: after["host"][n][i] - before["host"][n][i] for i in layers} for n in after["host"]}
-    pairs = sum(d[i]["pairs"] for i in layers)
-    hits = sum(d[i]["hits"] for i in layers)
-    tokens = d[layers[0]]["rows"] if layers else 0
-    streamed_bytes = sum(h["streamed_bytes"].values())
-    host_bytes = sum(h["host_bytes"].values())
-    ahead_bytes = sum(h["ahead_bytes"].values())
-    total = lambda name: sum(d[i][name] for i in layers)  # noqa: E731
+    return {**_plan_stats(plan, staging_kind), **_counter_stats(layers, d, h)}
+
+
+def _plan_stats(plan: ResidencyPlan, staging_kind: str) -> dict:
+    """The run's setup: the plan's policy, modes and byte split, and the staging memory kind."""
     return {
         "policy": plan.policy,
         "lookahead": sorted({s.lookahead for s in plan.layers.values()}),
@@ -69,6 +67,20 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
         "counts_source": plan.counts_source,
         "cold": sorted({s.cold for s in plan.layers.values()}),
         "staging_memory": staging_kind,
+    }
+
+
+def _counter_stats(layers: list[int], d: dict, h: dict) -> dict:
+    """The run's costs from the counter deltas: d {layer: {device counter: delta}}, h {host counter:
+    {layer: delta}} (see `run_stats`)."""
+    pairs = sum(d[i]["pairs"] for i in layers)
+    hits = sum(d[i]["hits"] for i in layers)
+    tokens = d[layers[0]]["rows"] if layers else 0
+    streamed_bytes = sum(h["streamed_bytes"].values())
+    host_bytes = sum(h["host_bytes"].values())
+    ahead_bytes = sum(h["ahead_bytes"].values())
+    total = lambda name: sum(d[i][name] for i in layers)  # noqa: E731
+    return {
         "tokens": tokens,
         "hit_rate": hits / pairs if pairs else 1.0,
         "hit_rate_per_layer": {i: (d[i]["hits"] / d[i]["pairs"] if d[i]["pairs"] else 1.0) for i in layers},
@@ -102,7 +114,8 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
 def resident_bytes(arrays: Mapping[tuple, Any], what: str = "slots") -> int:
     """nbytes actually on the device (the memory check): "slots" (the slot stacks), "staging"
     (the streaming buffers), "buffer" (the lookahead buffers: stacks and labels) or "all"."""
-    names = {"slots": MATRICES, "staging": ("staged",), "buffer": ("ahead",), "all": MATRICES + ("staged", "ahead")}[what]
+    names = {"slots": MATRICES, "staging": ("staged",), "buffer": ("ahead",),
+             "all": MATRICES + ("staged", "ahead")}[what]
     total = 0
     for path, arr in arrays.items():
         if len(path) >= 5 and path[2:4] == ("ffn", "experts") and path[4] in names:
