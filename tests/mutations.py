@@ -510,8 +510,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "chat_output_limit_removed",
         "chat templates are bounded: the text a template emits (captured blocks, macro bodies) is capped",
         "sharpi_jax/gguf/chat.py",
-        (("            if r.emitted > lim.max_output:\n",
-          "            if False:  # MUTATION: the emitted-text limit check removed\n"),),
+        (("    if (r.emitted if r is not None else size) > lim.max_output:\n",
+          "    if r is None and size > lim.max_output:  # MUTATION: the running emitted total not checked\n"),),
         ("tests/gguf/test_chat_limits.py", "-k", "captured_block or macro_body or tight_limits"),
     ),
     Mutation(
