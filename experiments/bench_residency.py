@@ -266,8 +266,8 @@ def bench_threshold(path: Path, emit) -> list[dict]:
 
     def layer_fn(cold: str, staging: int):
         # Zero slots: the budget is exactly the staging, so every expert of a batch is cold.
-        res = residency.configure(f, c, staging * bpe, "static", expert_staging=staging, expert_cold=cold,
-                                  expert_prefetch=0)
+        res = residency.configure(f, c, residency.ExpertResidency(staging * bpe, "static", staging=staging,
+                                                                  cold=cold, prefetch=0))
         graphdef, state = nnx.split(res.experts_module(0, RunConfig(expert_mode="grouped"), {}))
 
         def call(state, u, sel, w, valid):

@@ -2,7 +2,9 @@
 
     import sharpi_jax as sj
     engine = sj.load("model.gguf")      # or sj.load() for the embedded default model
-    out = engine.generate("def fib(n):", max_new_tokens=64, speculative="mtp", draft_tokens=3)
+    out = engine.generate("def fib(n):", sj.GenerateOptions(max_new_tokens=64, speculation=sj.Chain(k=3)))
+
+The option and result types are importable from here; the ones that need jax load on first use.
 """
 
 from sharpi_jax.config import ModelConfig, RunConfig
@@ -10,6 +12,17 @@ from sharpi_jax.errors import (GGUFError, InputError, SharpiError, UnsupportedAr
                                UnsupportedQuantError)
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it (imported when the name is first used: jax starts there).
+_LAZY = {
+    "Engine": "sharpi_jax.api", "Session": "sharpi_jax.api",
+    "GenerateOptions": "sharpi_jax.runtime.options", "Chain": "sharpi_jax.runtime.options",
+    "Tree": "sharpi_jax.runtime.options",
+    "SamplingParams": "sharpi_jax.runtime.sampling",
+    "SnapKV": "sharpi_jax.model.snapkv",
+    "ExpertResidency": "sharpi_jax.experts.residency.options",
+    "GenerateOutput": "sharpi_jax.runtime.generate",
+}
 
 
 def load(path=None, **options):
@@ -19,5 +32,20 @@ def load(path=None, **options):
     return _load(path, **options)
 
 
-__all__ = ["GGUFError", "InputError", "ModelConfig", "RunConfig", "SharpiError", "UnsupportedArchitectureError",
-           "UnsupportedQuantError", "load"]
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib  # pylint: disable=import-outside-toplevel
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sharpi_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = ["Chain", "Engine", "ExpertResidency", "GGUFError", "GenerateOptions", "GenerateOutput", "InputError",
+           "ModelConfig", "RunConfig", "SamplingParams", "Session", "SharpiError", "SnapKV", "Tree",
+           "UnsupportedArchitectureError", "UnsupportedQuantError", "load"]

@@ -15,7 +15,6 @@ import os
 from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sharpi_jax.config import ModelConfig, RunConfig
@@ -23,6 +22,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.experts import parallel as expert_parallelism
 from sharpi_jax.experts import residency as expert_residency
 from sharpi_jax.experts.provider import GGUFExperts
+from sharpi_jax.experts.residency.options import ExpertResidency
 from sharpi_jax.gguf import GGUFFile, read_model_config
 from sharpi_jax.gguf.tokenizer import Tokenizer
 from sharpi_jax.model import snapkv
@@ -33,8 +33,7 @@ from sharpi_jax.quant import MatrixFormat
 from sharpi_jax.runtime import batch, draft_vocab, loops
 from sharpi_jax.runtime import session as session_state
 from sharpi_jax.runtime.generate import GenerateOutput
-from sharpi_jax.runtime.options import GenerateOptions
-from sharpi_jax.runtime.sampling import SamplingParams
+from sharpi_jax.runtime.options import ENGINE_KV, Chain, GenerateOptions
 from sharpi_jax.runtime.mtp import MTPRuntime, teacher_forced_mtp_logits
 from sharpi_jax.runtime.steps import Runtime
 
@@ -66,6 +65,18 @@ def _kv_policy(kv_policy: Any, kv_budget: Any, kv_window: Any, kv_pool: Any, bas
 
 
 
+def _template_kwargs(chat_template_kwargs: Any, enable_thinking: Any) -> dict[str, Any] | None:
+    """The chat template's variables: chat_template_kwargs, plus enable_thinking when given (None: none)."""
+    if chat_template_kwargs is None and enable_thinking is None:
+        return None
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise InputError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    out = dict(chat_template_kwargs or {})
+    if enable_thinking is not None:
+        out["enable_thinking"] = bool(enable_thinking)
+    return out
+
+
 def _say_if_ggml_missing(asked: str, resolved: str) -> None:
     """kernels="auto" on CPU without ggml's native extension runs "xla", and says why once, with the
     fix ("ggml" asked by name raises that line instead: `registry.resolve_kernels`); ggml without its
@@ -89,40 +100,34 @@ def _warn_fallbacks(backends: dict[str, dict], selected: str, path: str) -> None
 class Engine:
     """A loaded model: config, tokenizer, params and its jitted runtime."""
 
-    def __init__(self, path: str | os.PathLike[str], max_context: int = 4096, dtype: Any = jnp.float32, *,
-                 run_config: RunConfig | None = None, prefill_buckets: Sequence[int] | None = None,
-                 expert_mode: str | None = None, row_kernel: str | None = None, gdn_chunk: int | None = None,
-                 kernels: str | None = None, repack: str | None = "default", progress: bool | None = None,
-                 expert_budget: int | None = None, expert_policy: str = "frequency", expert_parallel: int | None = None,
-                 kv_policy: str | None = None, kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None,
-                 **residency_options: Any):
-        _check_dtype(dtype)
-        self.kv_policy: SnapKV | None = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, None)
+    def __init__(self, path: str | os.PathLike[str], max_context: int = 4096, *, run: RunConfig | None = None,
+                 residency: ExpertResidency | None = None, parallel: int | None = None, kv: SnapKV | None = None,
+                 progress: bool | None = None):
+        """Use `sj.load`; the options as `load` describes them, already typed."""
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise InputError(f"max_context must be a positive integer, got {max_context!r}")
-        if run_config is not None and not isinstance(run_config, RunConfig):
-            raise InputError(f"run_config must be a sharpi_jax.RunConfig, got {type(run_config).__name__}")
-        self.run_config: RunConfig = (run_config or RunConfig()).replace(
-            prefill_buckets=prefill_buckets, expert_mode=expert_mode, row_kernel=row_kernel, gdn_chunk=gdn_chunk,
-            kernels=kernels)
-        if repack != "default":  # None is a value here (no repacking), so "default" means "not given"
-            self.run_config = dataclasses.replace(self.run_config, repack=repack)
+        if run is not None and not isinstance(run, RunConfig):
+            raise InputError(f"run must be a sharpi_jax.RunConfig, got {type(run).__name__}")
+        if kv is not None and not isinstance(kv, SnapKV):
+            raise InputError(f"kv must be a sharpi_jax.SnapKV or None, got {type(kv).__name__}")
+        if residency is not None and not isinstance(residency, ExpertResidency):
+            raise InputError(f"residency must be a sharpi_jax.ExpertResidency, got {type(residency).__name__}")
+        self.kv_policy: SnapKV | None = kv  # the default KV eviction of `generate` (options kv="engine")
+        self.run_config: RunConfig = run or RunConfig()
         self.path = os.fspath(path)
         self.gguf = GGUFFile(path)  # kept open: raw expert views may alias the mmap
         self.config: ModelConfig = read_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata, source=self.gguf.source)
-        self.residency = expert_residency.configure(self.gguf, self.config, expert_budget, expert_policy,
-                                                    **residency_options)
+        self.residency = expert_residency.configure(self.gguf, self.config, residency)
         run = self.run_config
         self.matrix_format = MatrixFormat.for_run(run)
         _say_if_ggml_missing(run.kernels, self.matrix_format.backend)
-        if self.matrix_format.backend == "pallas" and expert_budget is not None:
+        if self.matrix_format.backend == "pallas" and residency is not None:
             raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
                              "grouped kernel reads whole expert stacks (use kernels='xla')")
         self.mesh = None  # the expert-parallel Mesh (expert_parallel=N), else one device
-        if expert_parallel is not None:
-            n = expert_parallelism.check_expert_parallel(expert_parallel, self.config, expert_budget=expert_budget)
+        if parallel is not None:
+            n = expert_parallelism.check_expert_parallel(parallel, self.config, expert_budget=residency)
             if self.matrix_format.backend == "pallas":
                 raise InputError("expert_parallel with kernels='pallas' is not supported yet: use kernels='xla'")
             self.mesh = expert_parallelism.expert_mesh(n)
@@ -228,21 +233,19 @@ class Engine:
             return self.check_ids(ids)
         return self.check_ids(ids_or_text)
 
-    def _chat_ids(self, ids_or_text: Any, messages: Any, enable_thinking: bool | None,
-                  chat_template_kwargs: Mapping[str, Any] | None) -> Any:
-        """The prompt: `ids_or_text`, or the token ids of `messages` rendered by the chat template."""
+    def _chat_ids(self, ids_or_text: Any, messages: Any, template: dict[str, Any] | None) -> Any:
+        """The prompt: `ids_or_text`, or the token ids of `messages` rendered by the chat template with the
+        variables `template`."""
         if messages is None:
-            if enable_thinking is not None or chat_template_kwargs is not None:
+            if template is not None:
                 raise InputError("enable_thinking and chat_template_kwargs apply to messages=[...] only")
             if ids_or_text is None:
                 raise InputError("generate needs a prompt (text or token ids) or messages=[...]")
             return ids_or_text
         if ids_or_text is not None:
             raise InputError("give either a prompt or messages=[...], not both")
-        options = dict(chat_template_kwargs or {})
-        if enable_thinking is not None:
-            options["enable_thinking"] = bool(enable_thinking)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  **(template or {}))
 
     # ----- forward -----
     def forward(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -344,90 +347,59 @@ class Engine:
             self._mtp.forget_draft_vocabs()
         return counts
 
-    def generate(self, ids_or_text: Any = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
-                 speculative: str | None = None, draft_tokens: int = 3, verify: str = "batched",
-                 tree_nodes: int | None = None, max_snapshot_bytes: int | None = None,
-                 kv_policy: str | None = "default", kv_budget: int | None = None, kv_window: int | None = None,
-                 kv_pool: int | None = None, loop: str = "device", draft_vocab: int | None = None,
-                 draft_p_min: float = 0.0, *,
-                 messages: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None, session: "Session | None" = None) -> GenerateOutput:
-        """Continue a prompt (text or token ids). Greedy when temperature == 0, else seeded sampling.
+    def options(self, max_new_tokens: int = 64, *, kv_policy: str | None = "default", kv_budget: int | None = None,
+                kv_window: int | None = None, kv_pool: int | None = None, **keywords: Any) -> GenerateOptions:
+        """The `GenerateOptions` that `generate`'s keyword shortcuts stand for: `GenerateOptions.from_keywords`
+        (temperature, top_k, top_p, min_p, seed, stop_on_eos, speculative, draft_tokens, verify, tree_nodes,
+        max_snapshot_bytes, loop, draft_vocab, draft_p_min), with the KV keywords resolved against this
+        engine's setting: kv_policy "default" (the engine's), None (no eviction) or "snapkv"; kv_budget,
+        kv_window, kv_pool left None take the engine's, else kv_window 32 and kv_pool 7."""
+        sizes = (kv_budget, kv_window, kv_pool)
+        kv: Any = ENGINE_KV if kv_policy == "default" and sizes == (None, None, None) else \
+            _kv_policy(kv_policy, *sizes, self.kv_policy)
+        return GenerateOptions.from_keywords(max_new_tokens, kv=kv, **keywords)
 
-        session (`Engine.session()`; `session.generate(...)` says the same): the prompt (or messages=, the
-        session's new chat messages) continues the session's conversation, and only the tokens its kept
-        state has not seen are prefilled (the previous reply and the new prompt); the tokens are those of
-        a fresh generate over the whole conversation, bit for bit (`sharpi_jax.runtime.session`).
-        out.stats adds session_reused_tokens and session_prefilled_tokens. Not with a KV eviction policy.
+    def _typed_options(self, options: GenerateOptions | None, shortcuts: dict[str, Any]) -> GenerateOptions:
+        if options is None:
+            return self.options(**shortcuts)
+        if not isinstance(options, GenerateOptions):
+            raise InputError(f"options must be a sharpi_jax.GenerateOptions, got {type(options).__name__}")
+        if shortcuts:
+            raise InputError(f"give options= or keyword shortcuts {sorted(shortcuts)}, not both")
+        return options
+
+    def generate(self, prompt: Any = None, options: GenerateOptions | None = None, *,
+                 messages: Sequence[Mapping[str, Any]] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 session: "Session | None" = None, **shortcuts: Any) -> GenerateOutput:
+        """Continue a prompt (text or token ids) with `options` (a `GenerateOptions`; default: greedy, 64
+        tokens, MTP off), or with keyword shortcuts that build the same object (`Engine.options`:
+        `generate(prompt, speculative="mtp", draft_tokens=3, temperature=0.7, seed=1)`).
 
         messages=[{"role": ..., "content": ...}, ...] instead of a prompt: the chat rendered by the file's
-        chat template with the generation prompt (`tokenizer.apply_chat_template`, special tokens parsed),
-        then generated from as token ids. enable_thinking (Qwen3.5's switch) and chat_template_kwargs
-        are passed to the template as variables.
+        chat template with the generation prompt (special tokens parsed), then generated from as token
+        ids; chat_template_kwargs are template variables (the shortcut enable_thinking=... is Qwen3.5's).
+        session (`Engine.session()`): the prompt or messages continue the session's conversation, only the
+        tokens its kept state has not seen are prefilled, and the tokens are those of a fresh generate over
+        the whole conversation, bit for bit (`sharpi_jax.runtime.session`); not with KV eviction.
 
-        speculative="mtp": MTP speculative decoding with `draft_tokens` drafts per trunk pass, verified
-        in one pass ("batched") or token by token ("sequential", the reference). The tokens are exactly
-        those of speculative=None (greedy or seeded sampling alike); out.stats adds drafted, accepted,
-        acceptance_rate, mean_accept_len, accept_per_position, verify_passes, draft_s, verify_s.
-        With an expert budget, out.stats["experts"] is this run's residency cost (`expert_stats`).
-        Always: out.stats["backends"] (matrices per backend they actually run on, e.g. {"pallas": 61})
-        and out.stats["matrix_backends"] ({matrix: backend}; `Engine.matrix_backends` adds type, shape
-        and why a matrix is not on the selected backend).
-
-        speculative="mtp_tree": a draft TREE of up to `tree_nodes` nodes (default max(8, draft_tokens))
-        and depth `draft_tokens` per trunk pass, always holding the greedy chain, verified in one pass
-        (`sharpi_jax.runtime.tree`); same tokens as speculative=None. max_snapshot_bytes caps the GDN
-        snapshots a pass keeps (one per node, stats["snapshot_bytes_per_node"]) by lowering tree_nodes.
-        out.stats adds tree_nodes, accept_per_depth and snapshot_bytes_per_node.
-
-        kv_policy="snapkv": SnapKV eviction at prefill on the attention layers (trunk and MTP head): a
-        prompt longer than kv_budget keeps, per KV head, its last kv_window positions and the
-        kv_budget - kv_window prefix positions they attend to most (attention pooled over kv_pool
-        neighbours); decoding and speculative verify then run on the compacted cache of kv_budget +
-        max_new_tokens slots, and speculative output equals plain output with the same eviction.
-        "default": the engine's setting (`sj.load(kv_policy=...)`); None: no eviction; sizes left None
-        take the engine's, else kv_window 32 and kv_pool 7. out.stats adds kv_slots (KV slots in use at
-        the end), kv_evicted (prompt positions dropped per attention layer and KV head), kv_capacity.
-
-        loop="device": after the prefill, the whole decode loop (MTP off, or the MTP chain or tree with
-        batched verify: draft, verify, accept, rollback, stop) runs as one jitted program on the device
-        (`sharpi_jax.runtime.device_loop`); "host": one jitted call per step or pass driven from Python,
-        the sequential reference (same tokens and pass stats bit for bit). verify="sequential" runs the
-        host loop either way. out.stats["loop"] names the loop that ran; the device loop reports no
-        draft_s / verify_s split.
-
-        draft_vocab=N (speculative="mtp"): the MTP head drafts over the N best-ranked token ids only (the
-        ranking of `calibrate_draft_vocab`, saved beside the file, else token id order); verification
-        uses the full head, so the tokens are unchanged. out.stats["draft_vocab"] = N and
-        out.stats["draft_vocab_ranking"] = the ranking's file (or the fallback's name).
-
-        draft_p_min=p (speculative="mtp", 0 <= p < 1): an adaptive chain length, as llama.cpp's
-        --draft-p-min: a pass stops drafting before the first draft whose probability under the MTP head
-        (its softmax over the vocabulary it drafts from) is below p, and verifies only the drafts made
-        (fewer rows: the rows left out read no expert). Verification is unchanged, so the tokens are too.
+        Returns `GenerateOutput(tokens, text, stats)`: the generated part only; the speculative modes give
+        the tokens of MTP off bit for bit (greedy or seeded). What stats holds: docs/api.md.
         """
-        opts = GenerateOptions(
-            max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, speculative=speculative,
-            draft_tokens=draft_tokens, verify=verify, tree_nodes=tree_nodes, max_snapshot_bytes=max_snapshot_bytes,
-            loop=loop, draft_vocab=draft_vocab, draft_p_min=draft_p_min,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
-        kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, self.kv_policy)
+        template = _template_kwargs(chat_template_kwargs, shortcuts.pop("enable_thinking", None))
+        opts = self._typed_options(options, shortcuts)
         if session is None:
-            return self.generate_with(self._chat_ids(ids_or_text, messages, enable_thinking, chat_template_kwargs),
-                                      opts, kv)
+            return self.generate_with(self._chat_ids(prompt, messages, template), opts)
         if not isinstance(session, Session) or session.engine is not self:
             raise InputError("session must be a Session of this engine (engine.session())")
-        if kv is not None:
+        if self._kv(opts) is not None:
             raise InputError("a session keeps every KV position: not with a KV eviction policy (kv_policy=None)")
         if messages is not None:
             chat = session.messages + list(messages)
-            ids = self._chat_ids(ids_or_text, chat, enable_thinking, chat_template_kwargs)
+            ids = self._chat_ids(prompt, chat, template)
         else:
-            ids = session.ids + self._prompt_ids(self._chat_ids(ids_or_text, None, enable_thinking,
-                                                                chat_template_kwargs))
+            ids = session.ids + self._prompt_ids(self._chat_ids(prompt, None, template))
         resume = session_state.Resume(session.prefix, self.mtp if self.config.has_mtp else None)
-        out = self.generate_with(ids, opts, None, resume)
+        out = self.generate_with(ids, dataclasses.replace(opts, kv=None), resume)
         session.prefix, session.ids = resume.saved, list(ids) + out.tokens
         if messages is not None:
             session.messages = chat + [{"role": "assistant", "content": out.text}]
@@ -440,53 +412,44 @@ class Engine:
         self._live()
         return Session(self)
 
-    def generate_batch(self, prompts: Sequence[Any] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop_on_eos: bool = True,
-                       speculative: str | None = None, draft_tokens: int = 3, tree_nodes: int | None = None,
-                       max_snapshot_bytes: int | None = None, draft_vocab: int | None = None,
-                       draft_p_min: float = 0.0, *, seeds: Sequence[int] | None = None,
-                       messages: Sequence[Sequence[Mapping[str, Any]]] | None = None, enable_thinking: bool | None = None,
-                       chat_template_kwargs: Mapping[str, Any] | None = None) -> list[GenerateOutput]:
+    def generate_batch(self, prompts: Sequence[Any] | None = None, options: GenerateOptions | None = None, *,
+                       seeds: Sequence[int] | None = None, messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+                       chat_template_kwargs: Mapping[str, Any] | None = None, **shortcuts: Any) -> list[GenerateOutput]:
         """Generate after each of `prompts` (texts or token id lists, any lengths) together: one jitted
         device loop for the batch, each step's (or pass's) products over every sequence's rows at once,
         so the weights and each used expert are read once per step for the batch
-        (`sharpi_jax.runtime.batch`). Options as `generate` (greedy when temperature == 0; speculative
-        None, "mtp" or "mtp_tree", each sequence drafting and accepting on its own); seeds: one sampling
-        seed per prompt (default `seed` for all); messages=[chat, ...] instead of prompts: each chat
-        rendered by the chat template.
+        (`sharpi_jax.runtime.batch`). options (or shortcuts) as `generate`, each sequence drafting and
+        accepting on its own; seeds: one sampling seed per prompt (default the options' seed for all);
+        messages=[chat, ...] instead of prompts: each chat rendered by the chat template.
 
         Returns one `GenerateOutput` per prompt, in order. With kernels="ggml" (the CPU default) each
         sequence's tokens are bitwise those of `generate` on its prompt alone with its seed. stats: the
-        sequence's prompt_tokens, generated_tokens, stop_reason, prefill_s and pass stats, and the batch's
-        batch, batch_decode_s and batch_decode_tok_s (all sequences' tokens per second of decode).
-        Not with an expert budget, expert parallelism or a KV eviction policy (one line says so)."""
+        sequence's own, and the batch's batch, batch_decode_s and batch_decode_tok_s (all sequences'
+        tokens per second of decode). Not with an expert budget, expert parallelism or KV eviction."""
+        template = _template_kwargs(chat_template_kwargs, shortcuts.pop("enable_thinking", None))
+        opts = self._typed_options(options, shortcuts)
         self._live()
         if self.residency is not None:
             raise InputError("generate_batch: not with an expert_budget (one residency cache serves one "
                              "sequence's steps); load without expert_budget, or generate prompts one at a time")
         if self.mesh is not None:
             raise InputError("generate_batch: not with expert_parallel yet; generate prompts one at a time")
-        if self.kv_policy is not None:
-            raise InputError("generate_batch: not with a KV eviction policy (kv_policy); load without it")
+        if self._kv(opts) is not None:
+            raise InputError("generate_batch: not with a KV eviction policy (kv); load without it")
         if messages is not None:
             if prompts is not None:
                 raise InputError("give either prompts or messages=[chat, ...], not both")
             if isinstance(messages, Mapping) or not all(isinstance(m, Sequence) and not isinstance(m, str)
                                                         for m in messages):
                 raise InputError("messages must be a list of chats, each a list of {'role', 'content'} dicts")
-            prompts = [self._chat_ids(None, m, enable_thinking, chat_template_kwargs) for m in messages]
-        elif enable_thinking is not None or chat_template_kwargs is not None:
+            prompts = [self._chat_ids(None, m, template) for m in messages]
+        elif template is not None:
             raise InputError("enable_thinking and chat_template_kwargs apply to messages=[...] only")
         if prompts is None or isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InputError("generate_batch needs a non-empty list of prompts (texts or token id lists)")
         ids = [self._prompt_ids(p) for p in prompts]
-        opts = GenerateOptions(
-            max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, speculative=speculative,
-            draft_tokens=draft_tokens, tree_nodes=tree_nodes, max_snapshot_bytes=max_snapshot_bytes,
-            draft_vocab=draft_vocab, draft_p_min=draft_p_min,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
-        mtp = self.mtp if opts.speculative is not None else None
-        vocab = mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
+        mtp = self.mtp if opts.speculation is not None else None
+        vocab = self._draft_vocab(opts, mtp)
         stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
         outs = []
         for g in batch.generate_batch(self.runtime, mtp, ids, opts, stop_ids, vocab, seeds):
@@ -495,19 +458,28 @@ class Engine:
             outs.append(GenerateOutput(tokens=g.tokens, text=self.tokenizer.decode(shown), stats=g.stats))
         return outs
 
-    def generate_with(self, ids_or_text: Any, opts: GenerateOptions, kv: SnapKV | None = None,
+    def _kv(self, opts: GenerateOptions) -> SnapKV | None:
+        """The KV eviction a run takes: the options' kv, or the engine's for kv="engine"."""
+        return self.kv_policy if opts.kv == ENGINE_KV else opts.kv
+
+    @staticmethod
+    def _draft_vocab(opts: GenerateOptions, mtp: MTPRuntime | None) -> draft_vocab.DraftVocab | None:
+        spec = opts.speculation
+        return mtp.draft_vocab(spec.draft_vocab) if isinstance(spec, Chain) and spec.draft_vocab is not None else None
+
+    def generate_with(self, ids_or_text: Any, opts: GenerateOptions,
                       resume: session_state.Resume | None = None) -> GenerateOutput:
-        """`generate` with its options as one validated `GenerateOptions` (the CLI builds one) and the KV
-        eviction policy resolved (None: none); resume: a session's continued prefill."""
+        """`generate` of a prompt (text or ids) with validated `GenerateOptions`; resume: a session's
+        continued prefill."""
         if not isinstance(opts, GenerateOptions):
             raise InputError(f"options must be a GenerateOptions, got {type(opts).__name__}")
         self._live()
-        mtp = self.mtp if opts.speculative is not None else None
-        vocab = mtp.draft_vocab(opts.draft_vocab) if opts.draft_vocab is not None else None
+        mtp = self.mtp if opts.speculation is not None else None
+        vocab = self._draft_vocab(opts, mtp)
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
-        tokens, stats = loops.run(self.runtime, mtp, ids, opts, stop_ids, kv, vocab, resume)
+        tokens, stats = loops.run(self.runtime, mtp, ids, opts, stop_ids, self._kv(opts), vocab, resume)
         stats.setdefault("loop", "host")
         if vocab is not None:
             stats["draft_vocab_ranking"] = mtp.draft_ranking
@@ -555,28 +527,67 @@ class Session:
         return f"Session({len(self.ids)} tokens, {self.prefilled} prefilled)"
 
 
-def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dtype: Any = jnp.float32,
-         **kw: Any) -> Engine:
+_NOT_GIVEN: Any = object()  # repack=None is a value (no repacking), so "not given" needs its own marker
+
+
+def load_shortcuts(run: RunConfig | None = None, residency: ExpertResidency | None = None, parallel: int | None = None,
+                   kv: SnapKV | None = None, *, dtype: Any = None, run_config: RunConfig | None = None,
+                   prefill_buckets: Sequence[int] | None = None, expert_mode: str | None = None,
+                   row_kernel: str | None = None, gdn_chunk: int | None = None, kernels: str | None = None,
+                   repack: Any = _NOT_GIVEN, expert_parallel: int | None = None, kv_policy: str | None = None,
+                   kv_budget: int | None = None, kv_window: int | None = None, kv_pool: int | None = None,
+                   **residency_keywords: Any) -> tuple[RunConfig | None, ExpertResidency | None, int | None, SnapKV | None]:
+    """`sj.load`'s keyword shortcuts folded into its typed options -> (run, residency, parallel, kv).
+
+    RunConfig fields (prefill_buckets, expert_mode, row_kernel, gdn_chunk, kernels, repack) override
+    `run`'s (run_config= is `run`'s other name); expert_budget, expert_policy and the residency keywords
+    (`ExpertResidency.keywords`) build an `ExpertResidency`; expert_parallel is `parallel`; kv_policy
+    ("snapkv" | None), kv_budget, kv_window, kv_pool build a `SnapKV`. dtype: float32 only. A typed
+    option and its own shortcuts together are an error."""
+    _check_dtype(dtype)
+    if run_config is not None:
+        if run is not None:
+            raise InputError("give run= or run_config=, not both")
+        run = run_config
+    if run is not None and not isinstance(run, RunConfig):
+        raise InputError(f"run must be a sharpi_jax.RunConfig, got {type(run).__name__}")
+    fields = dict(prefill_buckets=prefill_buckets, expert_mode=expert_mode, row_kernel=row_kernel,
+                  gdn_chunk=gdn_chunk, kernels=kernels)
+    if any(v is not None for v in fields.values()) or repack is not _NOT_GIVEN:
+        run = (run or RunConfig()).replace(**fields)
+        if repack is not _NOT_GIVEN:
+            run = dataclasses.replace(run, repack=repack)
+    if residency_keywords:
+        if residency is not None:
+            raise InputError(f"give residency= or its keywords {sorted(residency_keywords)}, not both")
+        residency = ExpertResidency.from_keywords(**residency_keywords)
+    if expert_parallel is not None:
+        if parallel is not None:
+            raise InputError("give parallel= or expert_parallel=, not both")
+        parallel = expert_parallel
+    if (kv_policy, kv_budget, kv_window, kv_pool) != (None, None, None, None):
+        if kv is not None:
+            raise InputError("give kv= or kv_policy / kv_budget / kv_window / kv_pool, not both")
+        kv = _kv_policy(kv_policy, kv_budget, kv_window, kv_pool, None)
+    return run, residency, parallel, kv
+
+
+def load(path: str | os.PathLike[str] | None = None, *, max_context: int = 4096, run: RunConfig | None = None,
+         residency: ExpertResidency | None = None, parallel: int | None = None, kv: SnapKV | None = None,
+         progress: bool | None = None, **shortcuts: Any) -> Engine:
     """Load a GGUF (qwen35moe / qwen35 / qwen3next). path=None: the embedded default model.
 
-    Options: max_context (KV cache positions), dtype (float32 only), run_config (a `RunConfig`: how the
-    model runs) and its fields as single options, which override it: prefill_buckets (prefill chunk
-    sizes, each compiled once), expert_mode ("grouped" | "per_token" routed-expert dispatch; bitwise
-    equal), row_kernel ("gemm" | "gemv"), gdn_chunk, kernels ("auto" | "xla" |
-    "pallas" | "reference" | any name registered in `sharpi_jax.quant.registry`: the kernel backend of
-    every matrix and routed-expert stack, "auto" = the best-ranked for the platform: Pallas on a GPU,
-    ggml on a CPU, XLA where neither can run), repack
-    ("auto": on XLA:CPU quantized matrices of >= 4M weights are repacked to int8 rows, lossy, 1 B/weight:
-    the fast CPU path for an LM head; None: every matrix in its GGUF encoding, exact; "int8": all
-    quantized matrices repacked); progress (tqdm bar; default: files >= 256 MiB),
-    expert_budget (routed-expert bytes kept on the device: an int, "6GiB", or a share like "25%";
-    None: all) and expert_policy ("static" | "frequency" | "lru" | "slru"), plus the residency options
-    of `sharpi_jax.experts.residency.configure` (device_budget, expert_counts, ...).
-    expert_parallel=N: shard the routed experts by expert id over a Mesh of the first N devices (all
+    max_context: KV cache positions. run: a `RunConfig` (how the model runs: kernel backend, prefill
+    buckets, expert dispatch, repacking; each documented on its field). residency: an `ExpertResidency`
+    (routed experts kept on the device within a budget, cold ones streamed from the file; None: all
+    resident). parallel=N: shard the routed experts by expert id over a Mesh of the first N devices (all
     hosts' after `jax.distributed.initialize()`), dense weights replicated; logits bitwise those of one
-    device (`sharpi_jax.experts.parallel`). Not with an expert_budget or kernels="pallas" yet.
-    kv_policy (None | "snapkv"), kv_budget, kv_window, kv_pool: the default KV eviction of
-    `Engine.generate`.
+    device (`sharpi_jax.experts.parallel`); not with a residency budget or kernels="pallas" yet. kv: a
+    `SnapKV`, the default KV eviction of `Engine.generate` (None: none). progress: a tqdm bar (default:
+    files >= 256 MiB).
+
+    Keyword shortcuts build the same objects (`load_shortcuts`): `sj.load(path, kernels="xla",
+    expert_budget="25%", expert_policy="lru", expert_parallel=2, kv_policy="snapkv", kv_budget=256)`.
 
     `engine.close()` (or `with sj.load(...) as engine:`, or dropping the last reference) releases the
     engine's compiled programs, device arrays and mmap.
@@ -585,4 +596,5 @@ def load(path: str | os.PathLike[str] | None = None, max_context: int = 4096, dt
         from sharpi_jax.assets import default_model_path
 
         path = default_model_path()
-    return Engine(path, max_context=max_context, dtype=dtype, **kw)
+    run, residency, parallel, kv = load_shortcuts(run, residency, parallel, kv, **shortcuts)
+    return Engine(path, max_context, run=run, residency=residency, parallel=parallel, kv=kv, progress=progress)

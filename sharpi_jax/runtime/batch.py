@@ -33,7 +33,7 @@ from sharpi_jax.runtime.device_loop import (STOP_REASONS, _chain_fn, _eos_array,
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation
 from sharpi_jax.runtime.mtp import MTPRuntime
-from sharpi_jax.runtime.options import GenerateOptions
+from sharpi_jax.runtime.options import GenerateOptions, drafter_p_min
 from sharpi_jax.runtime.passes import pass_counts, pass_stats
 from sharpi_jax.runtime.sampling import SamplingParams, traced_params
 from sharpi_jax.runtime.speculative import MTPDecoder
@@ -107,11 +107,12 @@ def _prefill_each(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[Se
             _, logits, state, _ = kv_eviction.prefill(runtime, ids, None, None)
             decs.append(state)
         elif o.speculative == "mtp":
-            dec = MTPDecoder(runtime, mtp, o.draft_tokens, "batched", vocab=vocab, p_min=o.p_min)
+            dec = MTPDecoder(runtime, mtp, o.draft_tokens, "batched", vocab=vocab, p_min=drafter_p_min(o))
             logits = dec.prefill(ids)
             decs.append(dec)
         else:
-            dec = TreeDecoder(runtime, mtp, o.draft_tokens, o.nodes, "batched", max_snapshot_bytes=o.max_snapshot_bytes)
+            dec = TreeDecoder(runtime, mtp, o.draft_tokens, o.speculation.nodes, "batched",
+                              max_snapshot_bytes=o.speculation.max_snapshot_bytes)
             logits = dec.prefill(ids)
             decs.append(dec)
         jax.block_until_ready(logits)
@@ -142,7 +143,7 @@ def _decode_loop(runtime: Runtime, mtp: MTPRuntime | None, decs: list, logits, P
             runtime.params, runtime.cache, mtp.params, _stack([d.state for d in decs]),
             _stack([d.cache for d in decs]), logits, _stack([d.h_prev for d in decs]), P,
             np.int32(d0.mtp_offset), np.int32(d0.k), np.int32(o.max_new_tokens), np.int32(runtime.max_context),
-            np.int32(d0.last_position()), eos, sampling, out0, vocab, None if o.p_min is None else np.float32(o.p_min),
+            np.int32(d0.last_position()), eos, sampling, out0, vocab, None if drafter_p_min(o) is None else np.float32(drafter_p_min(o)),
             K=d0.K, greedy=o.sampling.greedy)
     else:
         d0 = decs[0]
@@ -166,7 +167,7 @@ def _add_pass_stats(stats: dict, runtime: Runtime, o: GenerateOptions, vocab: Dr
             c = {k: (v[b] if np.ndim(v) else v) for k, v in counts.items()}
             c = {k: (v.tolist() if isinstance(v, np.ndarray) else int(v)) for k, v in c.items()}
         stats.update(speculative="mtp", draft_tokens=o.draft_tokens, verify="batched",
-                     draft_vocab=None if vocab is None else vocab.size, draft_p_min=o.p_min,
+                     draft_vocab=None if vocab is None else vocab.size, draft_p_min=drafter_p_min(o),
                      **pass_stats(o.draft_tokens, c, "accept_per_position"))
     elif o.speculative == "mtp_tree":
         m = 0 if counts is None else int(counts["passes"][b])

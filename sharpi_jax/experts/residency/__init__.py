@@ -30,7 +30,7 @@ from sharpi_jax.experts.provider import ExpertFormat
 from sharpi_jax.experts.residency import stats as _stats
 from sharpi_jax.experts.residency.counts import (COUNTS_FORMAT, COUNTS_SUFFIX, counts_paths, load_counts,
                                                  routing_delta, save_counts)
-from sharpi_jax.experts.residency.options import OPTION_NAMES, check_options, check_policy
+from sharpi_jax.experts.residency.options import OPTION_NAMES, ExpertResidency
 from sharpi_jax.experts.residency.plan import (LayerSpec, ResidencyPlan, budget_for_fraction, layer_geometry,
                                                minimum_budget, non_expert_bytes, parse_expert_budget, plan_residency)
 from sharpi_jax.experts.residency.policies import POLICIES, SlotPolicy, slot_policy
@@ -112,50 +112,33 @@ class Residency:
 
 
 
-def configure(f: GGUFFile, config: ModelConfig, expert_budget: int | None = None,
-              expert_policy: str = "frequency", **options: Any) -> Residency | None:
-    """The Residency for `sj.load(..., expert_budget=, expert_policy=, ...)`, or None (all resident).
-
-    options: device_budget (bytes for non-expert weights + experts, instead of expert_budget),
-    expert_counts (dict or JSON path; default: the file beside the model), expert_staging (experts
-    streamable per layer and batch, >= top-k), expert_ring (ring fraction of each layer's slots),
-    expert_cold ("auto" | "stream" | "host"), expert_stream_min_rows, expert_prefetch (experts
-    madvise'd ahead per layer), expert_lookahead ("none" | "next_layer" | "pass" | "both": experts
-    fetched into slots before a call needs them, `lookahead`), expert_lookahead_buffer (experts: the
-    predicted experts go to one buffer shared by the layers, its bytes taken out of their slots).
-    """
-    expert_policy = check_policy(expert_policy)
-    options = check_options(options)  # types and ranges, before anything is read or planned
-    device_budget = options["device_budget"]
-    if expert_budget is not None and config.is_moe:
-        expert_budget = parse_expert_budget(expert_budget, f, config)
-    if expert_budget is None and device_budget is None:
-        if any(options.get(n) is not None for n in OPTION_NAMES):
-            raise InputError("expert residency options need expert_budget (or device_budget)")
+def configure(f: GGUFFile, config: ModelConfig, spec: ExpertResidency | None) -> Residency | None:
+    """The Residency for `sj.load(..., residency=ExpertResidency(...))`, or None (spec None: all resident).
+    The options were checked for type and range where `spec` was built; what needs the model (budgets
+    against their minimum, staging >= top-k, counts of n_expert) is checked here and in the planner."""
+    if spec is None:
         return None
-    if expert_budget is not None and device_budget is not None:
-        raise InputError("give expert_budget or device_budget, not both")
+    if not isinstance(spec, ExpertResidency):
+        raise InputError(f"residency must be a sharpi_jax.ExpertResidency, got {type(spec).__name__}")
     if not config.is_moe:
         raise InputError(f"expert_budget applies to MoE models; {f.source} ({config.arch}) has no routed experts")
-    if device_budget is not None:
+    expert_budget = parse_expert_budget(spec.budget, f, config)
+    if spec.device_budget is not None:
         dense = non_expert_bytes(f, config)
         min_exp = minimum_budget(f, config)
-        if device_budget < dense + min_exp:
+        if spec.device_budget < dense + min_exp:
             raise InputError(
-                f"device_budget = {device_budget} bytes is too small: the minimum is {dense + min_exp} bytes "
+                f"device_budget = {spec.device_budget} bytes is too small: the minimum is {dense + min_exp} bytes "
                 f"(non-expert weights {dense} + one layer's top-k experts {min_exp})")
-        expert_budget = int(device_budget) - dense
-    counts, source = load_counts(options.get("expert_counts"), f.path, config)
-    plan = plan_residency(f, config, expert_budget, expert_policy, counts, counts_source=source,
-                          staging=options.get("expert_staging"), ring=options.get("expert_ring"),
-                          cold=options.get("expert_cold"), stream_min_rows=options.get("expert_stream_min_rows"),
-                          lookahead=options.get("expert_lookahead"),
-                          lookahead_buffer=options.get("expert_lookahead_buffer"))
-    prefetch = options["expert_prefetch"]
-    return Residency(f, config, plan, counts, 16 if prefetch is None else prefetch)
+        expert_budget = int(spec.device_budget) - dense
+    counts, source = load_counts(spec.counts, f.path, config)
+    plan = plan_residency(f, config, expert_budget, spec.policy, counts, counts_source=source,
+                          staging=spec.staging, ring=spec.ring, cold=spec.cold, stream_min_rows=spec.stream_min_rows,
+                          lookahead=spec.lookahead, lookahead_buffer=spec.lookahead_buffer)
+    return Residency(f, config, plan, counts, 16 if spec.prefetch is None else spec.prefetch)
 
 
-__all__ = ["COUNTS_FORMAT", "COUNTS_SUFFIX", "CTR", "ExpertCache", "LayerSpec", "OPTION_NAMES", "POLICIES", "Residency",
+__all__ = ["COUNTS_FORMAT", "COUNTS_SUFFIX", "CTR", "ExpertCache", "ExpertResidency", "LayerSpec", "OPTION_NAMES", "POLICIES", "Residency",
            "ResidencyPlan", "ResidentExperts", "SlotPolicy", "budget_for_fraction", "configure",
            "counts_paths", "layer_geometry", "load_counts", "minimum_budget", "non_expert_bytes", "parse_expert_budget",
            "plan_residency", "routing_delta", "save_counts", "slot_policy"]

@@ -8,6 +8,7 @@ the planner (`plan`) and the counts reader (`counts`), which also raise `InputEr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any, Mapping
@@ -87,3 +88,63 @@ def check_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(text, str) or not text or "\0" in text:
             raise InputError(f"expert_counts path {shown(counts)} is not a valid file name")
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertResidency:
+    """Routed experts kept on the device within a budget, the rest streamed from the mmap'd GGUF
+    (`sharpi_jax.experts.residency`); `sj.load(path, residency=ExpertResidency("25%"))`.
+
+    budget: routed-expert bytes on the device (an int, "6GiB", or a share like "25%"); or device_budget:
+    bytes for the non-expert weights and the experts together. policy: which experts hold the slots
+    ("static" | "frequency" | "lru" | "slru"). counts: routing counts for "static" / "frequency" (a dict
+    {layer: [E]} or a JSON path; default: the file `Engine.calibrate_experts` saved beside the model).
+    staging: experts streamable per layer and batch (>= top-k). ring: the share of each layer's slots
+    that turns over (0..1). cold: "auto" | "stream" (to the device) | "host" (computed on the host).
+    stream_min_rows: rows from which a cold expert is streamed rather than host-computed. prefetch:
+    experts madvise'd ahead per layer. lookahead: "none" | "next_layer" | "pass" | "both" (experts
+    fetched into slots before a call needs them). lookahead_buffer: experts in one buffer shared by the
+    layers for the predicted experts (0 / None: each layer's ring)."""
+
+    budget: Any = None
+    policy: str = "frequency"
+    device_budget: int | None = None
+    counts: Any = None
+    staging: int | None = None
+    ring: float | None = None
+    cold: str | None = None
+    stream_min_rows: int | None = None
+    prefetch: int | None = None
+    lookahead: str | None = None
+    lookahead_buffer: int | None = None
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        checked = check_options(self.keywords())
+        for name, value in checked.items():
+            object.__setattr__(self, name.removeprefix("expert_"), value)
+        b = self.budget
+        if b is None and self.device_budget is None:
+            raise InputError("ExpertResidency needs a budget (bytes, \"6GiB\" or \"25%\") or a device_budget")
+        if b is not None and self.device_budget is not None:
+            raise InputError("give expert_budget or device_budget, not both")
+        if b is not None and (isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer, str))):
+            raise InputError(f"expert_budget must be bytes (an integer), a size like \"6GiB\" or a share like "
+                             f"\"25%\", got {shown(b)}")
+
+    def keywords(self) -> dict[str, Any]:
+        """The residency options under their `sj.load` keyword names (`OPTION_NAMES`)."""
+        return {n: getattr(self, n.removeprefix("expert_")) for n in OPTION_NAMES}
+
+    @classmethod
+    def from_keywords(cls, expert_budget: Any = None, expert_policy: str = "frequency",
+                      **options: Any) -> "ExpertResidency | None":
+        """The `sj.load` keyword shortcuts (expert_budget, expert_policy and `OPTION_NAMES`) as the typed
+        option; None when no budget is given (every expert resident)."""
+        check_policy(expert_policy)
+        checked = check_options(options)
+        if expert_budget is None and checked["device_budget"] is None:
+            if any(v is not None for v in checked.values()):
+                raise InputError("expert residency options need expert_budget (or device_budget)")
+            return None
+        return cls(expert_budget, expert_policy, **{n.removeprefix("expert_"): v for n, v in checked.items()})
