@@ -1,6 +1,7 @@
 """The machine's measured copy bandwidth: the ceiling a weight-streaming kernel is compared against.
 
     python -m experiments.bandwidth            # 512 MiB buffer, 7 rounds
+    python -m experiments.bandwidth 2048       # a 2 GiB buffer
 
 `copy_bandwidth()` times `np.copyto` of a large float buffer (larger than any cache) into another and
 reports GB/s of bytes read (the figure a matmul's "GB/s of weight bytes" is set beside: a copy also
@@ -31,11 +32,22 @@ def copy_bandwidth(mib: int = 512, rounds: int = 7) -> dict[str, float]:
     return spread(rates)
 
 
-def main(argv=None) -> None:
-    mib = int(argv[1]) if argv and len(argv) > 1 else 512
+USAGE = "usage: bandwidth [MIB]   (the buffer size in MiB, default 512)"
+
+
+def main(argv=None) -> int:
+    args = list(argv[1:]) if argv else []
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if len(args) > 1 or args and not (args[0].isdigit() and int(args[0]) > 0):
+        print(f"error: {' '.join(args)!r} is not a buffer size in MiB\n{USAGE}", file=sys.stderr)
+        return 2
+    mib = int(args[0]) if args else 512
     s = copy_bandwidth(mib)
     print(f"copy bandwidth ({mib} MiB, numpy, 1 thread): {s['median']:.2f} GB/s [{s['min']:.2f}-{s['max']:.2f}]")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    sys.exit(main(sys.argv))

@@ -92,9 +92,9 @@ def logits_hashes() -> dict[str, str]:
 
 
 def mtp_hashes() -> dict[str, str]:
-    from sharpi_jax.runtime.generate import generate_ids
     from sharpi_jax.runtime.sampling import SamplingParams
-    from sharpi_jax.runtime.speculative import generate_mtp
+    from sharpi_jax.runtime.strategies.chain import generate_mtp
+    from sharpi_jax.runtime.strategies.plain import generate_ids
 
     out = {}
     greedy = SamplingParams()

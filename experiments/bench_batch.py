@@ -7,7 +7,7 @@ beside llama.cpp's `llama-batched-bench` on the same file and threads.
 Ours: B different prompts of --prompt_tokens tokens (consecutive windows of the held-out corpus), each
 decoding exactly --decode_tokens tokens (no EOS stop, as llama-batched-bench), MTP off (and the MTP
 chain with --speculative=mtp); the figure is all sequences' tokens over the batch's decode time
-(stats["batch_decode_tok_s"]), warm, the median of --repeats interleaved rounds with min and max.
+(`out.stats.batch.decode_tok_s`), warm, the median of --repeats interleaved rounds with min and max.
 llama.cpp: `llama-batched-bench -npp P -ntg N -npl B -t T` once per round (its S_TG: B * N over the
 decode time), interleaved with ours. Printed: tok/s per B, each side's ratio to its B = 1, and ours /
 llama.cpp; --json_out writes the records. Timings only; nothing here is a test.
@@ -63,7 +63,7 @@ def main(argv) -> int:
     engine = sj.load(FLAGS.gguf, max_context=P + N + FLAGS.draft_tokens + 8)
     path = Path(engine.path)
     print(f"{path.name}: {engine.config.arch}, B = {batches}, prompts of {P} tokens, {N} decoded each; "
-          f"backends {engine.generate_batch(['x'], max_new_tokens=2)[0].stats['backends']}")
+          f"backends {engine.generate_batch(['x'], max_new_tokens=2)[0].stats.backends.counts}")
     prompts = prompts_from_corpus(engine.tokenizer, max(batches), P)
     cells = [(m, b) for m in modes for b in batches] + (["llama"] if FLAGS.llama_bin else [])
 
@@ -75,7 +75,7 @@ def main(argv) -> int:
         outs = engine.generate_batch(prompts[:b], max_new_tokens=n, stop_on_eos=False, speculative=mode,
                                      draft_tokens=FLAGS.draft_tokens)
         assert all(len(o.tokens) == n for o in outs)
-        return outs[0].stats["batch_decode_tok_s"]
+        return outs[0].stats.batch.decode_tok_s
 
     res = interleaved(cells, run, FLAGS.repeats, warm=lambda c: None if c == "llama" else run(c, N),
                       what="batch runs")

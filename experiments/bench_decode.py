@@ -167,8 +167,8 @@ def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, 
         row = {**info, "rss_anon_gib_all_loaded": rss, "prompt_tokens": len(ids), "decode_tokens": len(outs[0].tokens),
                "repeats": repeats,
                "ids": ids}
-        put_spread(row, "prefill_tok_s", [o.stats["prefill_tok_s"] for o in outs])
-        put_spread(row, "decode_tok_s", [o.stats["decode_tok_s"] for o in outs])
+        put_spread(row, "prefill_tok_s", [o.stats.speed.prefill_tok_s for o in outs])
+        put_spread(row, "decode_tok_s", [o.stats.speed.decode_tok_s for o in outs])
         put_spread(row, "cpu_s_per_call", [c for _, c in timed])
         rows.append(row)
     return rows, llama, [c[0] for c in loaded]

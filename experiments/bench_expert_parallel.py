@@ -81,8 +81,8 @@ def main(argv) -> int:
                "dense_bytes_per_device": [dense.get(d, 0) for d in devices],
                "prompt_tokens": len(ids), "decode_tokens": len(runs[0].tokens), "repeats": FLAGS.repeats,
                "same_tokens_all_n": same}
-        put_spread(rec, "prefill_tok_s", [o.stats["prefill_tok_s"] for o in runs])
-        put_spread(rec, "decode_tok_s", [o.stats["decode_tok_s"] for o in runs])
+        put_spread(rec, "prefill_tok_s", [o.stats.speed.prefill_tok_s for o in runs])
+        put_spread(rec, "decode_tok_s", [o.stats.speed.decode_tok_s for o in runs])
         records.append(rec)
         print(f"{n:>3} {max(rec['expert_bytes_per_device']) / MIB:>19.3f} "
               f"{max(rec['dense_bytes_per_device']) / MIB:>17.3f} {fmt_spread(rec['prefill_tok_s_runs'], 22)} "

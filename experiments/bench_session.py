@@ -54,8 +54,8 @@ def main(argv) -> int:
             out = s.generate(piece, **gen)
             conv = s.ids[:len(s.ids) - len(out.tokens)]
             ref = engine.generate(conv, **gen)
-            rows.append((len(conv), out.stats["session_prefilled_tokens"], out.stats["prefill_s"],
-                         ref.stats["prefill_s"], out.tokens == ref.tokens))
+            rows.append((len(conv), out.stats.session.prefilled_tokens, out.stats.speed.prefill_s,
+                         ref.stats.speed.prefill_s, out.tokens == ref.tokens))
         return rows
 
     conversation()  # warm-up: compiles every bucket and loop

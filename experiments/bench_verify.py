@@ -162,7 +162,7 @@ def main(argv) -> int:
 
     results = interleaved(configs, run, FLAGS.repeats, warm=warm, log=lambda m: print(m, flush=True),
                           what="configurations")
-    tok_s = [[o.stats["decode_tok_s"] for o in outs] for outs in results]
+    tok_s = [[o.stats.speed.decode_tok_s for o in outs] for outs in results]
     med = [spread(t)["median"] for t in tok_s]
     base, off, off_dev = results[0][0], med[0], med[1]
     for i, loop in ((0, "host"), (1, "device")):
@@ -181,12 +181,12 @@ def main(argv) -> int:
             res[mode] = (med[i], s, same, tok_s[i])
             rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": configs[i]["verify"],
                    "loop": configs[i]["loop"], "same_tokens_as_off": same, "repeats": FLAGS.repeats,
-                   **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len",
-                                              "drafted", "accepted", "verify_passes", "generated_tokens")}}
+                   **_picked(s, ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted", "accepted",
+                                 "verify_passes", "generated_tokens"))}
             put_spread(rec, "decode_tok_s", tok_s[i])
             if mode != "device":  # one device program has no draft / verify split
-                for key in ("draft_s", "verify_s"):
-                    put_spread(rec, key, [o.stats[key] for o in outs], runs=False)
+                put_spread(rec, "draft_s", [o.stats.speculation.draft_s for o in outs], runs=False)
+                put_spread(rec, "verify_s", [o.stats.speculation.verify_s for o in outs], runs=False)
             records.append(rec)
         rows.append((k, res))
 
@@ -202,7 +202,7 @@ def main(argv) -> int:
         rec = next(r for r in records if r.get("draft_tokens") == k and r.get("verify") == "batched"
                    and r.get("loop") == "host")
         print(f"{k:>2} {seq:>10.1f} {bat:>10.1f} {fmt_spread(dev_runs, 24)} {dev / bat:>8.2f} {dev / off_dev:>7.2f} "
-              f"{s['acceptance_rate']:>7.1%} {s['mean_accept_len']:>8.2f} {rec['draft_s']:>8.3f} "
+              f"{s.speculation.acceptance_rate:>7.1%} {s.speculation.mean_accept_len:>8.2f} {rec['draft_s']:>8.3f} "
               f"{rec['verify_s']:>8.3f}  {'yes' if seq_same and bat_same and dev_same else 'NO'}")
     print("tok/s: median of the rounds; ratios of medians; dev/off: device-loop MTP over device-loop MTP off; "
           "accept: accepted / drafted; tok/pass: mean accepted drafts + 1 per trunk pass; draft_s / verify_s: MTP "
@@ -249,21 +249,20 @@ def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
         for i in (ih, idev):
             s = results[i][0].stats
             rec = {"model": path.stem, "speculative": "mtp_tree", "draft_tokens": k, "tree_nodes": m,
-                   "verify": "batched", "loop": s["loop"], "same_tokens_as_off": same, "repeats": FLAGS.repeats,
-                   "chain_mean_accept_len": chain["mean_accept_len"],
-                   **{key: s[key] for key in ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted",
-                                              "accepted", "verify_passes", "generated_tokens",
-                                              "snapshot_bytes_per_node")}}
+                   "verify": "batched", "loop": s.speed.loop, "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+                   "chain_mean_accept_len": chain.speculation.mean_accept_len,
+                   **_picked(s, ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted", "accepted",
+                                 "verify_passes", "generated_tokens", "snapshot_bytes_per_node"))}
             put_spread(rec, "decode_tok_s", tok_s[i])
             if i == ih:  # one device program has no draft / verify split
-                for key in ("draft_s", "verify_s"):
-                    put_spread(rec, key, [o.stats[key] for o in results[i]], runs=False)
+                put_spread(rec, "draft_s", [o.stats.speculation.draft_s for o in results[i]], runs=False)
+                put_spread(rec, "verify_s", [o.stats.speculation.verify_s for o in results[i]], runs=False)
                 host_rec = rec
             records.append(rec)
         s = results[idev][0].stats
         print(f"{k:>2} {m:>5} {med[ih]:>10.1f} {fmt_spread(tok_s[idev], 24)} {med[idev] / med[ih]:>8.2f} "
-              f"{med[idev] / med[chain_i]:>10.2f} {med[idev] / off_dev:>8.2f} {s['mean_accept_len']:>8.2f} "
-              f"{chain['mean_accept_len']:>14.2f} {host_rec['draft_s']:>8.3f} {host_rec['verify_s']:>8.3f}  "
+              f"{med[idev] / med[chain_i]:>10.2f} {med[idev] / off_dev:>8.2f} {s.speculation.mean_accept_len:>8.2f} "
+              f"{chain.speculation.mean_accept_len:>14.2f} {host_rec['draft_s']:>8.3f} {host_rec['verify_s']:>8.3f}  "
               f"{'yes' if same else 'NO'}")
     print("tree rows: batched tree verify with `nodes` draft nodes of depth <= k; tree/chain and tree/off: the "
           "device loop over the device-loop chain at the same k and MTP off; tok/pass: accepted + 1 per trunk "
@@ -307,6 +306,12 @@ def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]
     return recs
 
 
+def _picked(stats, keys) -> dict:
+    """The named keys of a run's flat stats (`GenerateStats.to_dict`), for a JSON record."""
+    flat = stats.to_dict()
+    return {key: flat[key] for key in keys}
+
+
 def _chain_record(path: Path, k: int, outs, base, tok_s: list[float], records: list[dict], **extra) -> bool:
     """Appends the record of a device-loop chain configuration's runs `outs`; returns whether every run gave
     MTP off's tokens (`base`)."""
@@ -314,8 +319,8 @@ def _chain_record(path: Path, k: int, outs, base, tok_s: list[float], records: l
     same = all(o.tokens == base.tokens for o in outs)
     rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": "batched", "loop": "device",
            **extra, "same_tokens_as_off": same, "repeats": FLAGS.repeats,
-           **{key: s[key] for key in ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted",
-                                      "accepted", "verify_passes", "generated_tokens")}}
+           **_picked(s, ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted", "accepted",
+                         "verify_passes", "generated_tokens"))}
     put_spread(rec, "decode_tok_s", tok_s)
     records.append(rec)
     return same
@@ -331,9 +336,10 @@ def _draft_vocab_rows(path: Path, ks, vocabs, configs, first, results, tok_s, me
         full_i = 2 + 3 * ks.index(k) + 2  # the full head's device-loop chain row
         s, fs = results[j][0].stats, results[full_i][0].stats
         same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_vocab=v,
-                             full_acceptance_rate=fs["acceptance_rate"])
-        print(f"{k:>2} {v:>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>7.2f} {s['acceptance_rate']:>7.1%} "
-              f"{fs['acceptance_rate']:>11.1%} {s['mean_accept_len']:>8.2f}  {'yes' if same else 'NO'}")
+                             full_acceptance_rate=fs.speculation.acceptance_rate)
+        spec = s.speculation
+        print(f"{k:>2} {v:>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>7.2f} {spec.acceptance_rate:>7.1%} "
+              f"{fs.speculation.acceptance_rate:>11.1%} {spec.mean_accept_len:>8.2f}  {'yes' if same else 'NO'}")
     print("draft_vocab rows: device loop; vs full: tok/s over the full head's device-loop chain at the same k; "
           "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
 
@@ -346,11 +352,11 @@ def _p_min_rows(path: Path, ks, configs, first, results, tok_s, med, records) ->
     for j in range(first, len(configs)):
         k, p = configs[j]["draft_tokens"], configs[j]["draft_p_min"]
         full_i = 2 + 3 * ks.index(k) + 2  # the always-k device-loop chain row
-        s = results[j][0].stats
-        per_pass = s["drafted"] / max(1, s["verify_passes"])
+        s = results[j][0].stats.speculation
+        per_pass = s.drafted / max(1, s.verify_passes)
         same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_p_min=p, drafts_per_pass=per_pass)
         print(f"{k:>2} {p:>6.2f} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>6.2f} {per_pass:>11.2f} "
-              f"{s['mean_accept_len']:>8.2f} {s['acceptance_rate']:>7.1%}  {'yes' if same else 'NO'}")
+              f"{s.mean_accept_len:>8.2f} {s.acceptance_rate:>7.1%}  {'yes' if same else 'NO'}")
     print("p_min rows: device loop; vs k: tok/s over the always-k chain at the same k; drafts/pass: drafts verified "
           "per trunk pass (k at most).")
 
@@ -377,7 +383,7 @@ def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> Non
         lt = lc["decode_tok_s"]
         sp = f"{lt / lc_base:>13.2f}" if lc_base else f"{'n/a':>13}"
         print(f"{k:>2} {bat:>10.1f} {bat / off:>12.2f} {lt:>11.1f} {sp} {bat / lt:>10.2f} "
-              f"{s['accepted']:>5}/{s['drafted']:<5} {lc['accepted']:>6}/{lc['drafted']:<5}")
+              f"{s.speculation.accepted:>5}/{s.speculation.drafted:<5} {lc['accepted']:>6}/{lc['drafted']:<5}")
     print("speedup: MTP decode tok/s / the same engine's MTP-off decode tok/s; accept: accepted / drafted.")
 
 

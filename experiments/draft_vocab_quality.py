@@ -97,9 +97,9 @@ def acceptance(engine, prompts: list[list[int]], draft_vocab: int | None) -> dic
     for ids in prompts:
         out = engine.generate(ids, max_new_tokens=FLAGS.new_tokens, speculative="mtp",
                               draft_tokens=FLAGS.draft_tokens, draft_vocab=draft_vocab)
-        accepted += out.stats["accepted"]
-        drafted += out.stats["drafted"]
-        passes += out.stats["verify_passes"]
+        accepted += out.stats.speculation.accepted
+        drafted += out.stats.speculation.drafted
+        passes += out.stats.speculation.verify_passes
         tokens.append(list(out.tokens))
     return {"accepted": accepted, "drafted": drafted, "passes": passes,
             "acceptance_rate": accepted / drafted if drafted else 0.0, "tokens": tokens}

@@ -111,69 +111,71 @@ def main(argv) -> int:
             out, compare = _compare(engine, opts)
         else:
             if FLAGS.warmup:
-                engine.generate_with(_prompt(engine), dataclasses.replace(opts, max_new_tokens=2), engine.kv_policy)
-            out = engine.generate_with(_prompt(engine), opts, engine.kv_policy)
+                engine.generate(_prompt(engine), dataclasses.replace(opts, max_new_tokens=2))
+            out = engine.generate(_prompt(engine), opts)
     except SharpiError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if parallel_info.get("process_id", 0) != 0:
         return 0  # every process computed the same tokens; process 0 prints them
     if FLAGS.json:
-        print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats,
+        print(json.dumps({"tokens": out.tokens, "text": out.text, "stats": out.stats.to_dict(),
                           **({"compare": compare} if compare else {}), **parallel_info}))
     else:
         print((engine.tokenizer.decode(_prompt(engine)) if FLAGS.chat else FLAGS.prompt) + out.text)
-        s = out.stats
-        print(f"[{s['prompt_tokens']} prompt tokens, {s['prefill_tok_s']:.1f} tok/s prefill; "
-              f"{s['generated_tokens']} generated, {s['decode_tok_s']:.1f} tok/s decode; "
-              f"stop: {s['stop_reason']}" + ("" if FLAGS.warmup or FLAGS.compare else
-                                             "; timings include jit compilation") + "]",
-              file=sys.stderr)
-        if s.get("speculative") == "mtp":
-            print(f"[MTP k={s['draft_tokens']} ({s['verify']} verify): {s['accepted']}/{s['drafted']} drafts accepted "
-                  f"({s['acceptance_rate']:.1%}), {s['mean_accept_len']:.2f} tokens per trunk pass, "
-                  f"per position {', '.join(f'{x:.2f}' for x in s['accept_per_position'])}"
-                  + (f"; draft vocabulary {s['draft_vocab']} ids ranked by {s['draft_vocab_ranking']}"
-                     if s.get("draft_vocab") else "") + "]", file=sys.stderr)
-        if s.get("speculative") == "mtp_tree":
-            print(f"[MTP tree depth {s['draft_tokens']}, {s['tree_nodes']} nodes ({s['verify']} verify): "
-                  f"{s['accepted']}/{s['drafted']} nodes accepted, {s['mean_accept_len']:.2f} tokens per trunk pass, "
-                  f"per depth {', '.join(f'{x:.2f}' for x in s['accept_per_depth'])}; "
-                  f"{s['snapshot_bytes_per_node']} snapshot bytes per node]", file=sys.stderr)
-        if s.get("kv_evicted"):
-            print(f"[SnapKV: {s['kv_evicted']} prompt positions evicted per attention layer and KV head; "
-                  f"{s['kv_slots']} of {s['kv_capacity']} KV slots in use at the end]", file=sys.stderr)
-        if "experts" in s:
-            e = s["experts"]
-            print(f"[experts ({e['policy']}, {e['resident_fraction']:.0%} resident, budget "
-                  f"{e['budget_bytes'] / 2**20:.1f} MiB): hit rate {e['hit_rate']:.1%}, "
-                  f"{e['bytes_streamed_per_token'] / 2**20:.2f} MiB streamed per token, "
-                  f"{e['experts_host_computed']} expert uses computed on the host]", file=sys.stderr)
+        _print_stats(out.stats)
         if compare:
             print(_compare_line(compare), file=sys.stderr)
-        elif s.get("speculative") in ("mtp", "mtp_tree"):
+        elif out.stats.speculation is not None:
             print("[whether MTP pays is not measured here: add --compare to time MTP off vs MTP, warm, in this run]",
                   file=sys.stderr)
     return 0
 
 
+def _print_stats(stats) -> None:
+    """The run's stats (a `GenerateStats`) as bracketed lines on stderr."""
+    s, spec, kv = stats.speed, stats.speculation, stats.kv
+    print(f"[{s.prompt_tokens} prompt tokens, {s.prefill_tok_s:.1f} tok/s prefill; "
+          f"{s.generated_tokens} generated, {s.decode_tok_s:.1f} tok/s decode; "
+          f"stop: {s.stop_reason}" + ("" if FLAGS.warmup or FLAGS.compare else
+                                      "; timings include jit compilation") + "]",
+          file=sys.stderr)
+    if spec is not None and spec.mode == "mtp":
+        print(f"[MTP k={spec.draft_tokens} ({spec.verify} verify): {spec.accepted}/{spec.drafted} drafts accepted "
+              f"({spec.acceptance_rate:.1%}), {spec.mean_accept_len:.2f} tokens per trunk pass, "
+              f"per position {', '.join(f'{x:.2f}' for x in spec.accept_per_position)}"
+              + (f"; draft vocabulary {spec.draft_vocab} ids ranked by {spec.draft_vocab_ranking}"
+                 if spec.draft_vocab else "") + "]", file=sys.stderr)
+    if spec is not None and spec.mode == "mtp_tree":
+        print(f"[MTP tree depth {spec.draft_tokens}, {spec.tree_nodes} nodes ({spec.verify} verify): "
+              f"{spec.accepted}/{spec.drafted} nodes accepted, {spec.mean_accept_len:.2f} tokens per trunk pass, "
+              f"per depth {', '.join(f'{x:.2f}' for x in spec.accept_per_depth)}; "
+              f"{spec.snapshot_bytes_per_node} snapshot bytes per node]", file=sys.stderr)
+    if kv is not None and kv.evicted:
+        print(f"[SnapKV: {kv.evicted} prompt positions evicted per attention layer and KV head; "
+              f"{kv.slots} of {kv.capacity} KV slots in use at the end]", file=sys.stderr)
+    if stats.experts is not None:
+        e = stats.experts
+        print(f"[experts ({e['policy']}, {e['resident_fraction']:.0%} resident, budget "
+              f"{e['budget_bytes'] / 2**20:.1f} MiB): hit rate {e['hit_rate']:.1%}, "
+              f"{e['bytes_streamed_per_token'] / 2**20:.2f} MiB streamed per token, "
+              f"{e['experts_host_computed']} expert uses computed on the host]", file=sys.stderr)
+
+
 def _options():
-    """The flags' `GenerateOptions` (one validated object, as `Engine.generate` builds)."""
+    """The flags' `GenerateOptions` (one validated object, as `Engine.generate`'s keyword shortcuts build)."""
     import sharpi_jax as sj
-    from sharpi_jax.runtime.options import GenerateOptions
-    from sharpi_jax.runtime.sampling import SamplingParams
 
     tree = FLAGS.speculative == "mtp_tree"
     if not tree and ((FLAGS.tree_nodes is not None and not FLAGS.compare) or FLAGS.max_snapshot_bytes is not None):
         raise sj.InputError("--tree_nodes / --max_snapshot_bytes need --speculative=mtp_tree (or --compare: "
                             "--tree_nodes of the tree timed beside the chain)")
-    return GenerateOptions(
+    return sj.GenerateOptions.from_keywords(
         max_new_tokens=FLAGS.max_new_tokens, stop_on_eos=FLAGS.stop_on_eos, speculative=FLAGS.speculative,
         draft_tokens=FLAGS.draft_tokens, verify=FLAGS.verify, loop=FLAGS.loop, draft_vocab=FLAGS.draft_vocab,
         draft_p_min=FLAGS.draft_p_min,
         tree_nodes=FLAGS.tree_nodes if tree else None, max_snapshot_bytes=FLAGS.max_snapshot_bytes if tree else None,
-        sampling=SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                                min_p=FLAGS.min_p, seed=FLAGS.seed))
+        temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p, seed=FLAGS.seed)
 
 
 def _prompt(engine):
@@ -211,33 +213,34 @@ def _compare(engine, opts):
     the chain (--speculative=mtp) and --compare_tree, the tree of depth draft_tokens (--tree_nodes, else
     8 nodes) as a third mode."""
     from experiments.timing import interleaved, put_spread
+    from sharpi_jax.runtime.options import Chain, Tree
 
-    modes = [dataclasses.replace(opts, speculative=None, draft_vocab=None, draft_p_min=0.0), opts]
-    tree = opts.speculative == "mtp" and FLAGS.compare_tree
+    modes = [dataclasses.replace(opts, speculation=None), opts]
+    tree = isinstance(opts.speculation, Chain) and FLAGS.compare_tree
     if tree:
-        modes.append(dataclasses.replace(opts, speculative="mtp_tree", tree_nodes=FLAGS.tree_nodes, draft_vocab=None,
-                                         draft_p_min=0.0))
+        modes.append(dataclasses.replace(opts, speculation=Tree(opts.draft_tokens, FLAGS.tree_nodes)))
     quiet = FLAGS.json
 
     def run(o):
-        return engine.generate_with(_prompt(engine), o, engine.kv_policy)
+        return engine.generate(_prompt(engine), o)
 
     names = "MTP off, MTP" + (", MTP tree" if tree else "")
     results = interleaved(modes, run, FLAGS.repeats, what=f"modes ({names})",
                           log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
     off, mtp = results[:2]
     cmp = {"repeats": FLAGS.repeats, "draft_tokens": opts.draft_tokens, "verify": opts.verify,
-           "loop": mtp[0].stats["loop"], "off_loop": off[0].stats["loop"], "generated_tokens": len(mtp[0].tokens),
+           "loop": mtp[0].stats.speed.loop, "off_loop": off[0].stats.speed.loop,
+           "generated_tokens": len(mtp[0].tokens),
            "same_tokens": all(o.tokens == off[0].tokens for o in off + mtp)}
-    put_spread(cmp, "off_decode_tok_s", [o.stats["decode_tok_s"] for o in off])
-    put_spread(cmp, "mtp_decode_tok_s", [o.stats["decode_tok_s"] for o in mtp])
+    put_spread(cmp, "off_decode_tok_s", [o.stats.speed.decode_tok_s for o in off])
+    put_spread(cmp, "mtp_decode_tok_s", [o.stats.speed.decode_tok_s for o in mtp])
     cmp["speedup"] = cmp["mtp_decode_tok_s"] / cmp["off_decode_tok_s"]
     if tree:
         t = results[2]
-        cmp["tree"] = {"tree_nodes": t[0].stats["tree_nodes"], "loop": t[0].stats["loop"],
-                       "mean_accept_len": t[0].stats["mean_accept_len"],
+        cmp["tree"] = {"tree_nodes": t[0].stats.speculation.tree_nodes, "loop": t[0].stats.speed.loop,
+                       "mean_accept_len": t[0].stats.speculation.mean_accept_len,
                        "same_tokens": all(o.tokens == off[0].tokens for o in t)}
-        put_spread(cmp["tree"], "decode_tok_s", [o.stats["decode_tok_s"] for o in t])
+        put_spread(cmp["tree"], "decode_tok_s", [o.stats.speed.decode_tok_s for o in t])
         cmp["tree"]["vs_chain"] = cmp["tree"]["decode_tok_s"] / cmp["mtp_decode_tok_s"]
         cmp["tree"]["vs_off"] = cmp["tree"]["decode_tok_s"] / cmp["off_decode_tok_s"]
     return mtp[0], cmp

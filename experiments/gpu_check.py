@@ -18,7 +18,9 @@ On a machine without a GPU it prints one line saying so and exits 0. On a GPU:
    and generate(speculative="mtp", draft_tokens=3) tok/s;
 6. logits agreement, pallas vs reference: relative L2 and max |diff| of the prompt's logits, argmax match;
 7. the residency path with a 25% expert budget (kernels="xla": the Pallas path reads whole expert stacks):
-   decode tok/s, hit rate and MiB streamed per token.
+   decode tok/s, hit rate and MiB streamed per token;
+8. kernels="pallas" with expert parallelism over every visible GPU (2 or more): logits bitwise one GPU's,
+   decode and MTP k = 3 tok/s.
 """
 
 from __future__ import annotations
@@ -132,8 +134,8 @@ def run_check(path: Path) -> None:
                           what="backends")
     decode = {}
     for name, outs in zip(names, results):
-        pre = [o.stats["prefill_tok_s"] for o in outs]
-        decode[name] = [o.stats["decode_tok_s"] for o in outs]
+        pre = [o.stats.speed.prefill_tok_s for o in outs]
+        decode[name] = [o.stats.speed.decode_tok_s for o in outs]
         say(f"kernels={name:7s} prefill {fmt_spread(pre)} tok/s ({len(ids)} tokens), "
             f"decode {fmt_spread(decode[name], digits=2)} tok/s ({FLAGS.decode_tokens} tokens)")
 
@@ -153,8 +155,8 @@ def run_check(path: Path) -> None:
     e.generate(ids, max_new_tokens=4, speculative="mtp", draft_tokens=3)  # compiles the MTP shapes
     mtp = [e.generate(ids, max_new_tokens=FLAGS.decode_tokens, speculative="mtp", draft_tokens=3, stop_on_eos=False)
            for _ in range(FLAGS.repeats)]
-    say(f"MTP k=3 generate: decode {fmt_spread([o.stats['decode_tok_s'] for o in mtp], digits=2)} tok/s, "
-        f"mean accepted length {np.median([o.stats['mean_accept_len'] for o in mtp]):.2f} (random weights)")
+    say(f"MTP k=3 generate: decode {fmt_spread([o.stats.speed.decode_tok_s for o in mtp], digits=2)} tok/s, "
+        f"mean accepted length {np.median([o.stats.speculation.mean_accept_len for o in mtp]):.2f} (random weights)")
 
     ref = load(kernels="reference")
     a, b = e.logits(ids[:32]), ref.logits(ids[:32])
@@ -163,13 +165,43 @@ def run_check(path: Path) -> None:
         f"argmax agree {float(np.mean(a.argmax(-1) == b.argmax(-1))):.3f}")
     del ref, engines
 
+    _residency_check(load, ids, say)
+    _expert_parallel_check(load, ids, say)
+
+
+def _residency_check(load, ids: list[int], say) -> None:
+    """Step 7: decode with a residency budget (kernels="xla"), hit rate and MiB streamed per token."""
     res = load(kernels="xla", expert_budget=FLAGS.expert_budget, expert_policy="lru")
     res.generate(ids, max_new_tokens=3)
     outs = [res.generate(ids, max_new_tokens=FLAGS.decode_tokens, stop_on_eos=False) for _ in range(FLAGS.repeats)]
-    ex = outs[-1].stats["experts"]
+    ex = outs[-1].stats.experts
     say(f"residency (kernels='xla', expert_budget={FLAGS.expert_budget}, lru): decode "
-        f"{fmt_spread([o.stats['decode_tok_s'] for o in outs], digits=2)} tok/s, hit rate {ex['hit_rate']:.2f}, "
+        f"{fmt_spread([o.stats.speed.decode_tok_s for o in outs], digits=2)} tok/s, hit rate {ex['hit_rate']:.2f}, "
         f"{ex['bytes_streamed_per_token'] / 2**20:.1f} MiB streamed per token")
+
+
+def _expert_parallel_check(load, ids: list[int], say) -> None:
+    """Step 8: kernels="pallas" with the routed experts sharded over every visible GPU (at least 2):
+    logits bitwise one device's, greedy and MTP k = 3 decode tok/s, the MTP tokens equal MTP off's."""
+    import jax
+
+    one = load(kernels="pallas")
+    n = len(jax.devices())
+    while n > 1 and one.config.n_expert % n:
+        n -= 1
+    if n < 2:
+        say("expert parallel: one GPU visible (or no divisor of the expert count); skipped")
+        return
+    par = load(kernels="pallas", expert_parallel=n)
+    same = bool(np.array_equal(one.logits(ids[:32]).view(np.int32), par.logits(ids[:32]).view(np.int32)))
+    gen = dict(max_new_tokens=FLAGS.decode_tokens, stop_on_eos=False)
+    par.generate(ids, max_new_tokens=3), par.generate(ids, max_new_tokens=4, speculative="mtp", draft_tokens=3)
+    off = [par.generate(ids, **gen) for _ in range(FLAGS.repeats)]
+    mtp = [par.generate(ids, **gen, speculative="mtp", draft_tokens=3) for _ in range(FLAGS.repeats)]
+    say(f"expert parallel x{n} (kernels='pallas'): logits bitwise one GPU's: {same}; decode "
+        f"{fmt_spread([o.stats.speed.decode_tok_s for o in off], digits=2)} tok/s, MTP k=3 "
+        f"{fmt_spread([o.stats.speed.decode_tok_s for o in mtp], digits=2)} tok/s; MTP tokens = MTP off's: "
+        f"{mtp[0].tokens == off[0].tokens}")
 
 
 def main(argv) -> int:

@@ -26,15 +26,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from experiments.timing import interleaved, put_spread
 
 MIB = 2.0 ** 20
 
 
-def _decode_cost(engine, prompt: list[int], kw: dict) -> tuple[dict, dict]:
-    """One generation; returns (its stats, the residency stats of its decode phase: a counter
+def _decode_cost(engine, prompt: list[int], kw: dict) -> tuple[Any, dict]:
+    """One generation; returns (its `GenerateOutput`, the residency stats of its decode phase: a counter
     snapshot is taken after the (last) trunk prefill call)."""
     rt = engine.runtime
     snaps = []
@@ -47,17 +47,17 @@ def _decode_cost(engine, prompt: list[int], kw: dict) -> tuple[dict, dict]:
 
     rt.prefill = snap_after
     try:
-        t = time.perf_counter()
         out = engine.generate(prompt, **kw)
-        wall = time.perf_counter() - t
     finally:
         del rt.prefill
     dec = engine.residency.stats(snaps[-1], engine.expert_counters())
-    return dict(out.stats, wall_s=wall, n_tokens=len(out.tokens)), dec
+    return out, dec
 
 
-def _figures(stats: dict, dec: dict) -> dict:
-    n = max(1, stats["n_tokens"] - 1)  # tokens after the first (which the prefill's logits give)
+def _figures(out, dec: dict) -> dict:
+    """The figures of one run (`GenerateOutput` out) and its decode phase's residency stats."""
+    n = max(1, len(out.tokens) - 1)  # tokens after the first (which the prefill's logits give)
+    spec = out.stats.speculation
     return {
         "hit_rate": dec["hit_rate"],
         "demand_mib_per_token": dec["bytes_demand"] / MIB / n,
@@ -68,9 +68,9 @@ def _figures(stats: dict, dec: dict) -> dict:
         "host_computations_per_token": dec["experts_host_computed"] / n,
         "prefetch_useful": float(dec["prefetch_useful"]),
         "prefetch_useless": float(dec["prefetch_useless"]),
-        "decode_tok_s": float(stats.get("decode_tok_s", 0.0)),
-        "acceptance_rate": float(stats.get("acceptance_rate", 0.0)),
-        "generated_tokens": float(stats["n_tokens"]),
+        "decode_tok_s": float(out.stats.speed.decode_tok_s or 0.0),
+        "acceptance_rate": float(0.0 if spec is None else spec.acceptance_rate),
+        "generated_tokens": float(len(out.tokens)),
     }
 
 

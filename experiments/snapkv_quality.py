@@ -66,9 +66,9 @@ def continuation_logits(runtime, ids: list[int], cont: list[int], kv) -> np.ndar
 
 def measure(engine, model: str, ids: list[int], budgets: list[int], emit) -> None:
     from sharpi_jax.model.snapkv import SnapKV
-    from sharpi_jax.runtime.generate import generate_ids
     from sharpi_jax.runtime.sampling import SamplingParams
-    from sharpi_jax.runtime.speculative import generate_mtp
+    from sharpi_jax.runtime.strategies.chain import generate_mtp
+    from sharpi_jax.runtime.strategies.plain import generate_ids
 
     rt, n, greedy = engine.runtime, FLAGS.new_tokens, SamplingParams()
     ref, _ = generate_ids(rt, ids, n, greedy)

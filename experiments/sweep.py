@@ -214,7 +214,7 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | Non
                 def run(cell):
                     load_key, point, _, prompt = cell
                     gen_opts = {k: v for k, v in point.items() if k not in LOAD_OPTIONS}
-                    return _flatten(engines[load_key].generate(prompt, max_new_tokens=max_new, **gen_opts).stats)
+                    return _flatten(engines[load_key].generate(prompt, max_new_tokens=max_new, **gen_opts).stats.to_dict())
 
                 results = interleaved(cells, run, repeats, log=log, what="cells")
                 for (_, point, pi, _), runs in zip(cells, results):

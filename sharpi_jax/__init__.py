@@ -21,7 +21,7 @@ _LAZY = {
     "SamplingParams": "sharpi_jax.runtime.sampling",
     "SnapKV": "sharpi_jax.model.snapkv",
     "ExpertResidency": "sharpi_jax.experts.residency.options",
-    "GenerateOutput": "sharpi_jax.runtime.generate",
+    "GenerateOutput": "sharpi_jax.runtime.generate", "GenerateStats": "sharpi_jax.runtime.stats",
 }
 
 
@@ -46,6 +46,6 @@ def __dir__():
     return sorted(list(globals()) + list(_LAZY))
 
 
-__all__ = ["Chain", "Engine", "ExpertResidency", "GGUFError", "GenerateOptions", "GenerateOutput", "InputError",
-           "ModelConfig", "RunConfig", "SamplingParams", "Session", "SharpiError", "SnapKV", "Tree",
+__all__ = ["Chain", "Engine", "ExpertResidency", "GGUFError", "GenerateOptions", "GenerateOutput", "GenerateStats",
+           "InputError", "ModelConfig", "RunConfig", "SamplingParams", "Session", "SharpiError", "SnapKV", "Tree",
            "UnsupportedArchitectureError", "UnsupportedQuantError", "load"]

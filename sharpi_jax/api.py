@@ -30,12 +30,14 @@ from sharpi_jax.model.footprint import backend_summary, fallback_message, matrix
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.model.weights import load_model, load_mtp
 from sharpi_jax.quant import MatrixFormat
-from sharpi_jax.runtime import batch, draft_vocab, loops
+from sharpi_jax.runtime import batch, draft_vocab
 from sharpi_jax.runtime import session as session_state
 from sharpi_jax.runtime.generate import GenerateOutput
 from sharpi_jax.runtime.options import ENGINE_KV, Chain, GenerateOptions
 from sharpi_jax.runtime.mtp import MTPRuntime, teacher_forced_mtp_logits
+from sharpi_jax.runtime.stats import GenerateStats, SessionStats
 from sharpi_jax.runtime.steps import Runtime
+from sharpi_jax.runtime.strategies import strategy_for
 
 
 
@@ -122,14 +124,9 @@ class Engine:
         run = self.run_config
         self.matrix_format = MatrixFormat.for_run(run)
         _say_if_ggml_missing(run.kernels, self.matrix_format.backend)
-        if self.matrix_format.backend == "pallas" and residency is not None:
-            raise InputError("kernels='pallas' with an expert_budget is not supported yet: the Pallas "
-                             "grouped kernel reads whole expert stacks (use kernels='xla')")
         self.mesh = None  # the expert-parallel Mesh (expert_parallel=N), else one device
         if parallel is not None:
             n = expert_parallelism.check_expert_parallel(parallel, self.config, expert_budget=residency)
-            if self.matrix_format.backend == "pallas":
-                raise InputError("expert_parallel with kernels='pallas' is not supported yet: use kernels='xla'")
             self.mesh = expert_parallelism.expert_mesh(n)
             self.experts = expert_parallelism.ShardedGGUFExperts(self.gguf, self.config, self.mesh, run)
         else:
@@ -403,8 +400,8 @@ class Engine:
         session.prefix, session.ids = resume.saved, list(ids) + out.tokens
         if messages is not None:
             session.messages = chat + [{"role": "assistant", "content": out.text}]
-        out.stats["session_reused_tokens"] = resume.reused
-        out.stats["session_prefilled_tokens"] = len(ids) - resume.reused
+        out.stats = dataclasses.replace(out.stats, session=SessionStats(reused_tokens=resume.reused,
+                                                                         prefilled_tokens=len(ids) - resume.reused))
         return out
 
     def session(self) -> "Session":
@@ -424,8 +421,8 @@ class Engine:
 
         Returns one `GenerateOutput` per prompt, in order. With kernels="ggml" (the CPU default) each
         sequence's tokens are bitwise those of `generate` on its prompt alone with its seed. stats: the
-        sequence's own, and the batch's batch, batch_decode_s and batch_decode_tok_s (all sequences'
-        tokens per second of decode). Not with an expert budget, expert parallelism or KV eviction."""
+        sequence's own, and `stats.batch` (the batch's size and decode time, all sequences' tokens per
+        second of decode, the sequence's seed). Not with an expert budget, expert parallelism or KV eviction."""
         template = _template_kwargs(chat_template_kwargs, shortcuts.pop("enable_thinking", None))
         opts = self._typed_options(options, shortcuts)
         self._live()
@@ -455,7 +452,8 @@ class Engine:
         for g in batch.generate_batch(self.runtime, mtp, ids, opts, stop_ids, vocab, seeds):
             g.stats["backends"] = backend_summary(self.matrix_backends)
             shown = g.tokens[:-1] if g.tokens and g.tokens[-1] in stop_ids else g.tokens
-            outs.append(GenerateOutput(tokens=g.tokens, text=self.tokenizer.decode(shown), stats=g.stats))
+            outs.append(GenerateOutput(tokens=g.tokens, text=self.tokenizer.decode(shown),
+                                       stats=GenerateStats.from_dict(g.stats)))
         return outs
 
     def _kv(self, opts: GenerateOptions) -> SnapKV | None:
@@ -479,7 +477,8 @@ class Engine:
         ids = self._prompt_ids(ids_or_text)
         before = self.residency.counters(self.runtime) if self.residency is not None else None
         stop_ids = self.tokenizer.eog_ids if opts.stop_on_eos else ()
-        tokens, stats = loops.run(self.runtime, mtp, ids, opts, stop_ids, self._kv(opts), vocab, resume)
+        tokens, stats = strategy_for(opts.speculation).run(self.runtime, mtp, ids, opts, stop_ids, self._kv(opts),
+                                                           vocab, resume)
         stats.setdefault("loop", "host")
         if vocab is not None:
             stats["draft_vocab_ranking"] = mtp.draft_ranking
@@ -488,7 +487,7 @@ class Engine:
         stats["backends"] = backend_summary(self.matrix_backends)  # matrices per backend actually used
         stats["matrix_backends"] = {k: v["backend"] for k, v in self.matrix_backends.items()}
         shown = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
-        return GenerateOutput(tokens=tokens, text=self.tokenizer.decode(shown), stats=stats)
+        return GenerateOutput(tokens=tokens, text=self.tokenizer.decode(shown), stats=GenerateStats.from_dict(stats))
 
 
 class Session:
@@ -582,7 +581,7 @@ def load(path: str | os.PathLike[str] | None = None, *, max_context: int = 4096,
     (routed experts kept on the device within a budget, cold ones streamed from the file; None: all
     resident). parallel=N: shard the routed experts by expert id over a Mesh of the first N devices (all
     hosts' after `jax.distributed.initialize()`), dense weights replicated; logits bitwise those of one
-    device (`sharpi_jax.experts.parallel`); not with a residency budget or kernels="pallas" yet. kv: a
+    device (`sharpi_jax.experts.parallel`; any kernel backend); not with a residency budget yet. kv: a
     `SnapKV`, the default KV eviction of `Engine.generate` (None: none). progress: a tqdm bar (default:
     files >= 256 MiB).
 

@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 BENCH_PREFIX = "bench_"
 
@@ -36,24 +37,31 @@ def _checkout_experiments() -> Path | None:
     return None
 
 
-def entry_points(folder: Path) -> dict[str, str]:
-    """{module name: the first sentence of its docstring} for every module of `folder` that runs as a script
-    (absl's `app.run(main)`, or a plain `main(sys.argv)`)."""
+class EntryPoint(NamedTuple):
+    """One command: the first sentence of its module's docstring, and whether it runs under absl's app."""
+
+    summary: str
+    absl: bool
+
+
+def entry_points(folder: Path) -> dict[str, EntryPoint]:
+    """{module name: `EntryPoint`} for every module of `folder` that runs as a script (absl's
+    `app.run(main)`, or a plain `main(sys.argv)`); each file is read once, here."""
     found = {}
     for path in sorted(folder.glob("*.py")):
         text = path.read_text()
         if '__name__ == "__main__"' in text:
             doc = (ast.get_docstring(ast.parse(text)) or "").split("\n\n")[0]
             first = " ".join(doc.split()).split(". ")[0].rstrip(".")
-            found[path.stem] = first if len(first) <= 100 else first[:99] + "…"
+            found[path.stem] = EntryPoint(first if len(first) <= 100 else first[:99] + "…", "app.run(" in text)
     return found
 
 
-def _usage(points: dict[str, str]) -> str:
+def _usage(points: dict[str, EntryPoint]) -> str:
     width = max(len(c) for c in _command_names(points))
     lines = ["usage: sharpi COMMAND [--flags]   (sharpi COMMAND --help: its flags)", "", "commands:"]
-    for name, doc in points.items():
-        lines.append(f"  {_command_name(name):<{width}}  {doc}")
+    for name, point in points.items():
+        lines.append(f"  {_command_name(name):<{width}}  {point.summary}")
     return "\n".join(lines)
 
 
@@ -61,11 +69,11 @@ def _command_name(module: str) -> str:
     return f"bench {module[len(BENCH_PREFIX):]}" if module.startswith(BENCH_PREFIX) else module
 
 
-def _command_names(points: dict[str, str]) -> list[str]:
+def _command_names(points: dict[str, EntryPoint]) -> list[str]:
     return [_command_name(m) for m in points]
 
 
-def resolve(argv: list[str], points: dict[str, str]) -> tuple[str, list[str]]:
+def resolve(argv: list[str], points: dict[str, EntryPoint]) -> tuple[str, list[str]]:
     """(module name, the flags after the command) for `sharpi` arguments; a ValueError names a bad command."""
     if not argv:
         raise ValueError("no command given")
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     entry = importlib.import_module(f"experiments.{module}")
     argv = [f"sharpi {_command_name(module)}", *rest]
-    if "app.run(" not in Path(entry.__file__).read_text():
+    if not points[module].absl:
         return entry.main(argv) or 0
     from absl import app  # pylint: disable=import-outside-toplevel
 

@@ -425,34 +425,31 @@ def qwen36_35b_a3b(n_layer: int = 40, n_nextn: int = 1) -> ModelConfig:
 
 
 def qwen35_122b_a10b(n_layer: int = 48, n_nextn: int = 1) -> ModelConfig:
-    """The Qwen3.5-122B-A10B shapes (published config: 48 layers, hidden 3072, 32/2 attention heads of
-    256, GDN 16 key / 64 value heads of 128, 256 experts top-8 of FFN 1024 plus a shared expert of
-    1024, vocab 248320; sources in configs/models.json), optionally with fewer trunk layers."""
-    return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
-        d_model=3072, n_head=32, n_head_kv=2, ssm_dt_rank=64, ssm_d_inner=8192, n_expert=256, n_expert_used=8,
-        expert_ff=1024, shared_expert_ff=1024)
+    """The Qwen3.5-122B-A10B shapes (published config: 48 layers, hidden 3072, 256 experts top-8;
+    the rest as `_qwen35_large`), optionally with fewer trunk layers."""
+    return _qwen35_large(n_layer, n_nextn, d_model=3072, n_expert=256, n_expert_used=8)
 
 
 def qwen35_397b_a17b(n_layer: int = 60, n_nextn: int = 1) -> ModelConfig:
-    """The Qwen3.5-397B-A17B shapes (published config: 60 layers, hidden 4096, 32/2 attention heads of
-    256, GDN 16 key / 64 value heads of 128, 512 experts top-10 of FFN 1024 plus a shared expert of
-    1024, vocab 248320; sources in configs/models.json), optionally with fewer trunk layers."""
+    """The Qwen3.5-397B-A17B shapes (published config: 60 layers, hidden 4096, 512 experts top-10;
+    the rest as `_qwen35_large`), optionally with fewer trunk layers."""
+    return _qwen35_large(n_layer, n_nextn, d_model=4096, n_expert=512, n_expert_used=10)
+
+
+def _qwen35_large(n_layer: int, n_nextn: int, d_model: int, n_expert: int, n_expert_used: int) -> ModelConfig:
+    """The larger Qwen3.5 MoE shapes: 32/2 attention heads of 256, GDN 16 key / 64 value heads of 128,
+    experts of FFN 1024 plus a shared expert of 1024, vocab 248320 (sources in configs/models.json)."""
     return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
-        d_model=4096, n_head=32, n_head_kv=2, ssm_dt_rank=64, ssm_d_inner=8192, n_expert=512, n_expert_used=10,
-        expert_ff=1024, shared_expert_ff=1024)
+        d_model=d_model, n_head=32, n_head_kv=2, ssm_dt_rank=64, ssm_d_inner=8192, n_expert=n_expert,
+        n_expert_used=n_expert_used, expert_ff=1024, shared_expert_ff=1024)
 
 
 def qwen35_27b(n_layer: int = 64, n_nextn: int = 1) -> ModelConfig:
     """The dense Qwen3.5/3.6-27B shapes (published config: 64 layers, hidden 5120, FFN 17408, 24/4 heads
     of 256, GDN 16 key / 48 value heads of 128), optionally with fewer trunk layers."""
-    recurrent = tuple(i < n_layer and (i + 1) % 4 != 0 for i in range(n_layer + n_nextn))
-    return ModelConfig(
-        arch="qwen35", n_vocab=248320, d_model=5120, n_layer_all=n_layer + n_nextn, n_nextn=n_nextn,
-        context_length=262144, rms_eps=1e-6, n_head=24, n_head_kv=4, head_dim=256, n_rot=64,
-        rope_base=1e7, rope_freq_scale=1.0, rope_sections=(11, 11, 10, 0), recurrent_layers=recurrent,
-        ssm_conv_kernel=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48, ssm_d_inner=6144,
-        gdn_head_pairing="tiled", n_expert=0, n_expert_used=0, expert_ff=0, shared_expert_ff=0,
-        dense_ff=17408)
+    return qwen36_35b_a3b(n_layer=n_layer, n_nextn=n_nextn).replace(
+        arch="qwen35", d_model=5120, n_head=24, n_head_kv=4, ssm_dt_rank=48, ssm_d_inner=6144, n_expert=0,
+        n_expert_used=0, expert_ff=0, shared_expert_ff=0, dense_ff=17408)
 
 
 def tiny_qwen35moe(n_layer: int = 4, n_nextn: int = 1) -> ModelConfig:

@@ -139,9 +139,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "draft_p_min_device_verifies_uncut_chain",
         "draft_p_min: a pass verifies only the drafts made; device loop == host loop pass for pass",
-        "sharpi_jax/runtime/device_loop.py",
-        (("            n_draft = jnp.minimum(n_draft, n_made)  # draft_p_min may stop the chain early\n",
-          "            del n_made  # MUTATION: the cut chain verified at full length\n"),),
+        "sharpi_jax/runtime/strategies/chain.py",
+        (("    n_draft = jnp.minimum(n_draft, n_made)  # draft_p_min may stop the chain early\n",
+          "    del n_made  # MUTATION: the cut chain verified at full length\n"),),
         ("tests/runtime/test_draft_p_min.py::test_lossless_and_loops_agree",),
     ),
     Mutation(
@@ -571,6 +571,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_cli.py", "-k", "commands_name_their_entry_point"),
     ),
     Mutation(
+        "stats_chain_none_dropped",
+        "GenerateStats.to_dict gives the loops' flat stats back, key for key (the chain's None values too)",
+        "sharpi_jax/runtime/stats.py",
+        (("                if value is not None or f.name in keep:\n",
+          "                if value is not None:  # MUTATION: the chain's None-valued keys dropped\n"),),
+        ("tests/runtime/test_stats.py", "-k", "test_round_trip and not real"),
+    ),
+    Mutation(
         "wheel_kernels_top_level",
         "the wheel installs only sharpi_jax at the top of site-packages",
         "pyproject.toml",
@@ -585,6 +593,30 @@ MUTATIONS: tuple[Mutation, ...] = (
           "def count_accepted(counts: dict[int, int], target: np.ndarray, draft: np.ndarray,\n"
           "                   engine=None) -> None:  # MUTATION: a calibration that calls back up\n"),),
         ("tests/test_imports.py", "-k", "takes_an_engine"),
+    ),
+    Mutation(
+        "shortcut_tree_nodes_dropped",
+        "keyword shortcuts build the same typed options as the types written out",
+        "sharpi_jax/runtime/options.py",
+        (("            spec = Tree(draft_tokens, tree_nodes, max_snapshot_bytes)\n",
+          "            spec = Tree(draft_tokens, None, max_snapshot_bytes)  # MUTATION: tree_nodes ignored\n"),),
+        ("tests/runtime/test_options.py", "-k", "shortcuts"),
+    ),
+    Mutation(
+        "load_shortcut_residency_keyword_dropped",
+        "keyword shortcuts build the same typed options as the types written out",
+        "sharpi_jax/experts/residency/options.py",
+        (("        return cls(expert_budget, expert_policy, **{n.removeprefix(\"expert_\"): v for n, v in checked.items()})\n",
+          "        return cls(expert_budget, expert_policy, **{n.removeprefix(\"expert_\"): v for n, v in checked.items()\n"
+          "                                                    if n != \"expert_lookahead\"})  # MUTATION\n"),),
+        ("tests/runtime/test_options.py", "-k", "shortcuts"),
+    ),
+    Mutation(
+        "typed_option_unchecked",
+        "every option is checked where it enters: one line naming it",
+        "sharpi_jax/runtime/options.py",
+        (("        _choice(\"loop\", self.loop, LOOP_CHOICES)\n", ""),),
+        ("tests/runtime/test_options.py", "-k", "bad_values"),
     ),
 )
 

@@ -14,7 +14,7 @@ import sharpi_jax as sj
 from sharpi_jax.assets import DEFAULT_MODEL
 from sharpi_jax.errors import InputError, SharpiError
 from sharpi_jax.runtime.sampling import SamplingParams
-from sharpi_jax.runtime.speculative import generate_mtp
+from sharpi_jax.runtime.strategies.chain import generate_mtp
 from tests.conftest import fixture_engine, fixture_path, load_references
 
 ARCHS = ("tiny-qwen35moe", "tiny-qwen35", "tiny-qwen3next")
@@ -37,8 +37,9 @@ def test_greedy_matches_transformers(name):
         out = e.generate(toks, max_new_tokens=48, stop_on_eos=False)
         assert out.tokens == ref["transformers"]["greedy"][i], f"prompt {i}"
         assert out.text == e.tokenizer.decode(out.tokens)
-    print(f"{name}: decode {out.stats['decode_tok_s']:.0f} tok/s, prefill {out.stats['prefill_tok_s']:.0f} tok/s "
-          f"(last prompt, T={out.stats['prompt_tokens']})")
+    speed = out.stats.speed
+    print(f"{name}: decode {speed.decode_tok_s:.0f} tok/s, prefill {speed.prefill_tok_s:.0f} tok/s "
+          f"(last prompt, T={speed.prompt_tokens})")
 
 
 def test_generate_text_prompt_and_stats():
@@ -49,10 +50,10 @@ def test_generate_text_prompt_and_stats():
     same = e.generate(e.tokenizer.encode(prompt), max_new_tokens=8, stop_on_eos=False)
     assert out.tokens == same.tokens and len(out.tokens) == 8  # generated part only
     assert isinstance(out.text, str) and out.text == e.tokenizer.decode(out.tokens)
-    for key in ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "stop_reason"):
-        assert key in out.stats
-    assert out.stats["prompt_tokens"] == len(e.tokenizer.encode(prompt))
-    assert out.stats["stop_reason"] == "max_new_tokens"
+    speed = out.stats.speed
+    assert speed.generated_tokens == 8 and speed.prefill_tok_s > 0 and speed.decode_tok_s > 0
+    assert out.stats.speed.prompt_tokens == len(e.tokenizer.encode(prompt))
+    assert out.stats.speed.stop_reason == "max_new_tokens"
     assert e.generate(prompt, max_new_tokens=0).tokens == []
 
 
@@ -66,7 +67,7 @@ def test_stops_on_context():
     prompt = references(name)["variants"][f"{name}-F32"]["tokens"][3]
     long_prompt = (prompt * 2)[: MAX_CONTEXT - 5]
     out = e.generate(long_prompt, max_new_tokens=20, stop_on_eos=False)
-    assert out.stats["stop_reason"] == "max_context" and len(out.tokens) == 6
+    assert out.stats.speed.stop_reason == "max_context" and len(out.tokens) == 6
 
 
 # ----- EOS stops through engine.generate, on the embedded default model (no fixtures needed) -----
@@ -86,7 +87,7 @@ def _check_eos_stop(e, prompt, full: list[int], eos: int, **kw):
     for what, extra in runs.items():
         out = e.generate(prompt, max_new_tokens=len(full), **kw, **extra)
         assert out.tokens == full[: i + 1], what
-        assert out.stats["stop_reason"] == "eos" and out.stats["generated_tokens"] == i + 1, (what, out.stats)
+        assert out.stats.speed.stop_reason == "eos" and out.stats.speed.generated_tokens == i + 1, (what, out.stats)
         assert out.text == e.tokenizer.decode(full[:i]), what
     return i
 
@@ -107,7 +108,7 @@ def test_eos_produced_by_the_model_stops_generate():
     else:
         pytest.fail("no seed in 0..15 sampled an EOS after the prompt")
     i = _check_eos_stop(e, prompt, full.tokens, eos, seed=seed, **sampling)
-    assert full.stats["stop_reason"] == "max_new_tokens" and len(full.tokens) > i + 1  # it went on without the stop
+    assert full.stats.speed.stop_reason == "max_new_tokens" and len(full.tokens) > i + 1  # it went on without the stop
 
 
 def test_eos_inside_accepted_drafts_stops_generate(tmp_path):

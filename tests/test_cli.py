@@ -32,7 +32,8 @@ def test_every_entry_point_is_a_command():
     runnable = {p.stem for p in EXPERIMENTS.glob("*.py") if "if __name__ == \"__main__\"" in p.read_text()}
     assert set(points) == runnable
     assert {"generate", "info", "bench_decode", "bench_verify", "perplexity", "twin"} <= set(points)
-    assert all(points.values()), "every command has a one-line summary"
+    assert all(p.summary for p in points.values()), "every command has a one-line summary"
+    assert points["generate"].absl and not points["bandwidth"].absl  # bandwidth is a plain main(argv)
 
 
 @pytest.mark.parametrize("argv, module, rest", [
@@ -97,3 +98,11 @@ def test_built_wheel_top_level(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "sharpi_jax/pallas_kernels/grouped_matmul/pallas_triton.py" in names
     assert any(n.startswith("sharpi_jax/assets/") and n.endswith(".gguf") for n in names)
+
+
+def test_plain_entry_point_help_and_bad_argument(capsys):
+    """A command outside absl (bandwidth) answers --help with its usage and a bad argument with one line."""
+    assert cli.main(["bandwidth", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: bandwidth")
+    assert cli.main(["bandwidth", "lots"]) == 2
+    assert capsys.readouterr().err.startswith("error: 'lots' is not a buffer size in MiB")

@@ -17,7 +17,8 @@ import pytest
 
 import sharpi_jax as sj
 from sharpi_jax.errors import InputError
-from sharpi_jax.runtime import compiled, device_loop
+from sharpi_jax.runtime import compiled
+from sharpi_jax.runtime.strategies import plain
 from tests.conftest import REPO_ROOT
 
 OPTS = dict(max_context=64, prefill_buckets=(32,))
@@ -36,7 +37,7 @@ def test_close_releases_everything_the_engine_holds():
     before = _holders(graphs)
     assert min(before) >= 1
     fns = {id(f) for ns in (e.runtime.steps,) for f in vars(ns).values()}
-    assert any(id(f) in fns for key in device_loop._plain_fn.cache for f in key)
+    assert any(id(f) in fns for key in plain.jitted_loop.cache for f in key)
     streamer, gguf, mtp = e.residency.streamer, e.gguf, e.mtp
     param = weakref.ref(e.runtime.params[0])
     e.close()
@@ -45,7 +46,7 @@ def test_close_releases_everything_the_engine_holds():
         if n == 1:  # no other live engine shares the graph: its compiled functions are gone
             assert all(g not in cache for cache in compiled._GRAPH_CACHES)
     if before[0] == 1:
-        assert not any(id(f) in fns for key in device_loop._plain_fn.cache for f in key)
+        assert not any(id(f) in fns for key in plain.jitted_loop.cache for f in key)
     gc.collect()
     assert param() is None  # the device arrays are freed
     assert streamer.sources == {} and streamer.host_fns == {} and gguf._mmap is None

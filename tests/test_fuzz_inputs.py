@@ -329,3 +329,61 @@ def test_fuzz_load_options():
 def test_fuzz_load_options_slow():
     outcomes = _load_cases(60, seed=90, must_fail=False)
     assert "ours" in outcomes and "ok" in outcomes
+
+
+# ----- the typed options -----
+def _typed_pools():
+    from sharpi_jax.runtime.sampling import SamplingParams
+
+    return {
+        sj.Chain: {"k": [1, 3, 0, 2.0], "draft_vocab": [None, 16, 0], "p_min": [0.0, 0.3, 1.0, -0.1]},
+        sj.Tree: {"depth": [1, 3, 0], "nodes": [None, 2, 8, 0], "max_snapshot_bytes": [None, 10**6, -5]},
+        sj.GenerateOptions: {"max_new_tokens": [0, 3, -1], "sampling": [SamplingParams(), {"temperature": 1}],
+                             "stop_on_eos": [True, False], "speculation": [None, sj.Chain(2), sj.Tree(2), "mtp"],
+                             "verify": ["batched", "sequential", "parallel"], "loop": ["device", "host", "gpu"],
+                             "kv": ["engine", None, sj.SnapKV(40, 8), "snapkv"]},
+        sj.ExpertResidency: {"budget": [None, "50%", 2**20, 2.5], "policy": ["lru", "fifo"],
+                             "device_budget": [None, 2**24, -1], "staging": [None, 8, 0], "ring": [None, 0.5, 1.5],
+                             "cold": [None, "auto", "host", "warm"], "lookahead": [None, "both", "sometimes"],
+                             "lookahead_buffer": [None, 4, -1], "prefetch": [None, 0, -2],
+                             "stream_min_rows": [None, 2, -1], "counts": [None, {}, 3]},
+        sj.SnapKV: {"budget": [40, 0, "40"], "window": [8, 0, 100], "pool": [7, 0, 2.5]},
+        sj.RunConfig: {"kernels": ["xla", "bogus", 7], "expert_mode": ["grouped", "bogus"],
+                       "row_kernel": ["gemm", "fast"], "repack": [None, "int4"], "gdn_chunk": [8, 0, "64"],
+                       "prefill_buckets": [(16,), (0,), 5]},
+    }
+
+
+def _typed_cases(n: int, seed: int):
+    """Random field values (valid, invalid, and `_WEIRD` ones) for every option type: each builds, or
+    raises one SharpiError whose line names a field that was given (or the required budget)."""
+    rng = np.random.default_rng(seed)
+    pools = _typed_pools()
+    built = []
+    for i in range(n):
+        cls = list(pools)[i % len(pools)]
+        kw = _pick(rng, pools[cls], int(rng.integers(1, 4)))
+        out: list = []
+        outcome = _run(f"{cls.__name__}({kw}) (seed {seed})", lambda: out.append(cls(**kw)))
+        if outcome == "ours":
+            try:
+                cls(**kw)
+            except SharpiError as e:
+                # the field given, or the required one missing (the budget of ExpertResidency / SnapKV)
+                assert any(k in str(e) for k in kw) or "budget" in str(e), (kw, e)
+        else:
+            built.append(out[0])
+    return built
+
+
+def test_fuzz_typed_options():
+    built = _typed_cases(60, seed=11)
+    assert len(built) >= 5
+
+
+@pytest.mark.slow
+def test_fuzz_typed_options_generate(engine):
+    """Every GenerateOptions the fuzz builds runs or raises one line (e.g. kv eviction past the prompt)."""
+    for o in [b for b in _typed_cases(300, seed=12) if isinstance(b, sj.GenerateOptions)][:40]:
+        o = __import__("dataclasses").replace(o, max_new_tokens=min(o.max_new_tokens, 3))
+        _run(f"generate with {o}", lambda o=o: engine.generate("def f(x):", o))

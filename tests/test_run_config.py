@@ -62,6 +62,6 @@ def test_gemv_rows_keep_every_parity():
                      expert_policy="lru")
     chex.assert_trees_all_equal(budget.logits(ids), full.logits(ids))
     out = budget.generate(ids, max_new_tokens=16)
-    assert out.tokens == ref.tokens and out.stats["experts"]["hit_rate"] < 1.0
+    assert out.tokens == ref.tokens and out.stats.experts["hit_rate"] < 1.0
     gemm = sj.load(max_context=256, prefill_buckets=(16,)).logits(ids)
     np.testing.assert_allclose(gemm, full.logits(ids), rtol=1e-4, atol=1e-4)

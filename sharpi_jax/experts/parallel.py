@@ -127,8 +127,6 @@ class ShardedExperts(RoutedExperts):
     def __init__(self, n_expert: int, d_model: int, d_ff: int, qtypes: tuple[int, int, int], mesh: Mesh,
                  run: RunConfig = RunConfig()):
         super().__init__(n_expert, d_model, d_ff, qtypes, run)
-        if self.format.backend == "pallas":
-            raise InputError("expert_parallel with kernels='pallas' is not supported yet: use kernels='xla'")
         self.mesh = mesh  # static (part of the graph): Mesh is hashable
 
     def __call__(self, u: jax.Array, sel: jax.Array, w: jax.Array, valid: jax.Array | None = None) -> jax.Array:

@@ -176,22 +176,24 @@ def _q3_k(b):
     return (dl * q).reshape(n, QK_K)
 
 
-def _q4_k(b):
+def _k4_scales(b):
+    """Q4_K / Q5_K: the 8 sub-blocks' scales d * sc and offsets dmin * mn, each [n, 8, 1]."""
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _get_scale_min_k4(b[:, 4:16])
-    dl = (d * sc.astype(jnp.float32)).reshape(n, 8, 1)
-    dm = (dmin * mn.astype(jnp.float32)).reshape(n, 8, 1)
+    return (d * sc.astype(jnp.float32)).reshape(n, 8, 1), (dmin * mn.astype(jnp.float32)).reshape(n, 8, 1)
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    dl, dm = _k4_scales(b)
     q = _unpack(b[:, 16:], 32, 2, 4).reshape(n, 8, 32).astype(jnp.float32)
     return (dl * q - dm).reshape(n, QK_K)
 
 
 def _q5_k(b):
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _get_scale_min_k4(b[:, 4:16])
-    dl = (d * sc.astype(jnp.float32)).reshape(n, 8, 1)
-    dm = (dmin * mn.astype(jnp.float32)).reshape(n, 8, 1)
+    dl, dm = _k4_scales(b)
     qh = _unpack(b[:, 16:48], 32, 8, 1)
     ql = _unpack(b[:, 48:], 32, 2, 4)
     q = (ql | (qh << 4)).reshape(n, 8, 32).astype(jnp.float32)

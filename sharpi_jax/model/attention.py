@@ -51,6 +51,49 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
     return x
 
 
+def _tree_region(tree: TreeRows, positions: jax.Array, shift: jax.Array | None, cache_k: jax.Array,
+                 cache_v: jax.Array, C: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The tree's base slot (its logical base position, then its physical slot) and the keys and values
+    of the C physical slots from there [Hkv, C, hd]: the block tree rows read their tree region from."""
+    base = positions[0] - tree.depth[0]
+    base = base if shift is None else base - shift
+    idx = jnp.clip(base + jnp.arange(C, dtype=jnp.int32), 0, cache_k.shape[1] - 1)
+    return base, cache_k[:, idx, :], cache_v[:, idx, :]
+
+
+def _visible(slots: jax.Array, s0: jax.Array, row_pos: jax.Array, slot_pos: jax.Array | None,
+             tree: TreeRows | None, base: jax.Array | None) -> jax.Array:
+    """Which view slots of one chunk each row sees -> bool [1 or Hkv, T, C]: a slot up to the row's
+    position (over a compacted cache, by the slot's logical position `slot_pos`); in a tree's region a
+    row sees its ancestors (depth <= its own), not by slot."""
+    C = slots.shape[0]
+    if slot_pos is None:
+        seen = slots[None, None, :] <= row_pos  # [1, T, C]
+    else:
+        sp = jax.lax.dynamic_slice_in_dim(slot_pos, s0, C, axis=1)
+        seen = sp[:, None, :] <= row_pos  # [Hkv, T, C]
+    if tree is not None:
+        rel = slots - base
+        in_tree = (rel >= 0) & (rel < tree.anc.shape[1])
+        seen = jnp.where(in_tree[None, None, :], (rel[None, :] <= tree.depth[:, None])[None], seen)
+    return seen
+
+
+def _online_softmax_step(carry: tuple, sc: jax.Array, seen: jax.Array, weighted_values) -> tuple:
+    """One chunk of the online softmax: (max, sum, acc) updated with scores sc [Hkv, G*T, C] where
+    `seen`; a row that sees no slot of the chunk keeps its carry untouched (`where`, for bit parity)."""
+    m, l, acc = carry
+    sc = jnp.where(seen, sc, -jnp.inf)
+    live = jnp.any(seen, axis=-1, keepdims=True)  # rows that see a slot of this chunk
+    m_new = jnp.where(live, jnp.maximum(m, jnp.max(sc, axis=-1, keepdims=True)), m)
+    p = jnp.where(seen, jnp.exp(sc - m_new), 0.0)
+    alpha = jnp.exp(m - m_new)
+    pv = weighted_values(p)
+    l = jnp.where(live, l * alpha + pairwise_sum(p), l)
+    acc = jnp.where(live, acc * alpha + pv, acc)
+    return m_new, l, acc
+
+
 def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array,
            valid: jax.Array, tree: TreeRows | None = None, slot_pos: jax.Array | None = None,
            shift: jax.Array | None = None, chunks: str = "used") -> jax.Array:
@@ -82,15 +125,10 @@ def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
         return jnp.einsum("bmd,bsd->bms", qh, k) * scale
 
     if tree is not None:
-        base = positions[0] - tree.depth[0]  # the tree's base: logical, then its physical slot
-        base = base if shift is None else base - shift
-        W = tree.anc.shape[1]
-        idx = jnp.clip(base + jnp.arange(C, dtype=jnp.int32), 0, S - 1)
-        tree_k, tree_v = cache_k[:, idx, :], cache_v[:, idx, :]  # the tree region's physical slots
+        base, tree_k, tree_v = _tree_region(tree, positions, shift, cache_k, cache_v, C)
         tree_s = scores_of(tree_k)
 
     def body(c, carry):
-        m, l, acc = carry
         s0 = c * C
         k = jax.lax.dynamic_slice_in_dim(cache_k, s0, C, axis=1)
         v = jax.lax.dynamic_slice_in_dim(cache_v, s0, C, axis=1)
@@ -100,30 +138,17 @@ def attend(qh: jax.Array, scale: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
             col = view_columns(tree.anc, base, slots, C)  # [T, C] into [chunk | tree block]
             both = jnp.concatenate([sc, tree_s], axis=-1).reshape(Hkv, G, T, 2 * C)
             sc = jnp.take_along_axis(both, col[None, None], axis=3).reshape(Hkv, GT, C)
-        if slot_pos is None:
-            seen = slots[None, None, :] <= row_pos  # [1, T, C]
-        else:
-            sp = jax.lax.dynamic_slice_in_dim(slot_pos, s0, C, axis=1)
-            seen = sp[:, None, :] <= row_pos  # [Hkv, T, C]
-        if tree is not None:  # the tree region: a row sees its ancestors (depth <= its own), not by slot
-            rel = slots - base
-            in_tree = (rel >= 0) & (rel < W)
-            seen = jnp.where(in_tree[None, None, :], (rel[None, :] <= tree.depth[:, None])[None], seen)
+        seen = _visible(slots, s0, row_pos, slot_pos, tree, base if tree is not None else None)
         seen = jnp.broadcast_to(seen[:, None], (seen.shape[0], G, T, C)).reshape(-1, GT, C)
-        sc = jnp.where(seen, sc, -jnp.inf)
-        live = jnp.any(seen, axis=-1, keepdims=True)  # rows that see a slot of this chunk
-        m_new = jnp.where(live, jnp.maximum(m, jnp.max(sc, axis=-1, keepdims=True)), m)
-        p = jnp.where(seen, jnp.exp(sc - m_new), 0.0)
-        alpha = jnp.exp(m - m_new)
-        if tree is None:
-            pv = jnp.einsum("bms,bsd->bmd", p, v)
-        else:
+
+        def weighted_values(p):  # [Hkv, G*T, C] -> [Hkv, G*T, hd]
+            if tree is None:
+                return jnp.einsum("bms,bsd->bmd", p, v)
             vv = jnp.concatenate([v, tree_v], axis=1)[:, col, :]  # [Hkv, T, C, hd]: each row's view
             pt = p.reshape(Hkv, G, T, C).transpose(0, 2, 1, 3)
-            pv = jnp.einsum("btgs,btsd->btgd", pt, vv).transpose(0, 2, 1, 3).reshape(Hkv, GT, hd)
-        l = jnp.where(live, l * alpha + pairwise_sum(p), l)
-        acc = jnp.where(live, acc * alpha + pv, acc)
-        return m_new, l, acc
+            return jnp.einsum("btgs,btsd->btgd", pt, vv).transpose(0, 2, 1, 3).reshape(Hkv, GT, hd)
+
+        return _online_softmax_step(carry, sc, seen, weighted_values)
 
     init = (jnp.full((Hkv, GT, 1), -jnp.inf, jnp.float32), jnp.zeros((Hkv, GT, 1), jnp.float32),
             jnp.zeros((Hkv, GT, hd), jnp.float32))

@@ -45,11 +45,13 @@ class SnapKV:
     """A validated SnapKV setting: keep `budget` positions per KV head (the `window` last prompt rows
     plus the top budget - window prefix positions by pooled attention, pool width `pool`)."""
 
-    budget: int
+    budget: int = None  # type: ignore[assignment] - required; None gives the one-line error below
     window: int = DEFAULT_WINDOW
     pool: int = DEFAULT_POOL
 
     def __post_init__(self) -> None:
+        if self.budget is None:
+            raise InputError("SnapKV needs kv_budget (KV positions kept per attention layer and head)")
         object.__setattr__(self, "window", _size("kv_window", self.window, 1))
         object.__setattr__(self, "pool", _size("kv_pool", self.pool, 1))
         object.__setattr__(self, "budget", _size("kv_budget", self.budget, 1))

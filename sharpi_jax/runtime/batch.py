@@ -1,8 +1,8 @@
 """Batched generation: B sequences (prompts of any lengths) decoded together in ONE jitted device loop.
 
 Each sequence is prefilled on its own (its own bucket plan, so its prefill is exactly the one-sequence
-prefill), then the device loop of `device_loop` (MTP off, the chain or the tree) runs under jax.vmap
-over the sequences: per sequence its own position, KV / GDN state, MTP cache, sampling stream (its seed)
+prefill), then the device loop of its strategy (`strategies`: MTP off, the chain or the tree) runs under
+jax.vmap over the sequences: per sequence its own position, KV / GDN state, MTP cache, sampling stream (its seed)
 and stop tests. The products are batched by their ops, not by the loop: under vmap the ggml matmul and
 the grouped routed-expert op gather every sequence's valid rows into ONE call (`quant.ggml`), so a step
 reads each weight once for the batch and each used expert once for all rows routed to it. Those ops are
@@ -10,7 +10,7 @@ row-stable (a row's bits depend only on its own activation row), and every other
 so with kernels="ggml" each sequence's tokens are bitwise those of generating it alone, greedy and seeded
 (`tests/runtime/test_batch.py`). On XLA and Pallas, a vmapped dot_general may change the last bits.
 
-The loop runs while any sequence is live (`device_loop._drive`). A sequence that has stopped keeps its
+The loop runs while any sequence is live (`device_loop.drive`). A sequence that has stopped keeps its
 tokens, counts and position (held by a select per small field) while the others go on; its next steps
 run as padding rows (no product row, no expert read: `moe.padding_route` routes them like the batch's
 first valid row) for MTP off and the chain, and its big state (KV, GDN, snapshots) goes stale unread;
@@ -29,7 +29,7 @@ import numpy as np
 
 from sharpi_jax.errors import InputError
 from sharpi_jax.runtime import kv_eviction
-from sharpi_jax.runtime.device_loop import (STOP_REASONS, _chain_fn, _eos_array, _plain_fn, _tree_fn, out_slots)
+from sharpi_jax.runtime.device_loop import STOP_REASONS, eos_array, out_slots
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation
 from sharpi_jax.runtime.mtp import MTPRuntime
@@ -38,6 +38,7 @@ from sharpi_jax.runtime.passes import pass_counts, pass_stats
 from sharpi_jax.runtime.sampling import SamplingParams, traced_params
 from sharpi_jax.runtime.speculative import MTPDecoder
 from sharpi_jax.runtime.steps import Runtime
+from sharpi_jax.runtime.strategies import chain, plain, tree
 from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node
 
 
@@ -75,7 +76,7 @@ def generate_batch(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[S
         raise InputError("generate_batch needs at least one prompt")
     B, o = len(prompts), opts
     seeds = check_seeds(seeds, B, o.sampling.seed)
-    eos = _eos_array(stop_ids)
+    eos = eos_array(stop_ids)
     decs, firsts, prefill_s = _prefill_each(runtime, mtp, prompts, o, vocab)
     P = np.array([len(ids) for ids in prompts], np.int32)
     logits, sampling = _stack(firsts), _sampling_rows(o.sampling, seeds)
@@ -131,14 +132,14 @@ def _decode_loop(runtime: Runtime, mtp: MTPRuntime | None, decs: list, logits, P
         out, n, code, end = (np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.full(B, 2, np.int32), P)
     elif o.speculative is None:
         out0 = np.zeros((B, out_slots(o.max_new_tokens)), np.int32)
-        fn = _plain_fn(runtime.steps.decode, True)
+        fn = plain.jitted_loop(runtime.steps.decode, True)
         out, n, code, end, _ = fn(runtime.params, runtime.cache, _stack(decs), logits, P,
                                   np.int32(o.max_new_tokens), np.int32(runtime.max_context), eos, sampling, out0,
                                   greedy=o.sampling.greedy)
     elif o.speculative == "mtp":
         d0 = decs[0]
         out0 = np.zeros((B, out_slots(o.max_new_tokens, d0.K)), np.int32)
-        fn = _chain_fn(runtime.steps.commit_verify, mtp.draft_fn, True)
+        fn = chain.jitted_loop(runtime.steps.commit_verify, mtp.draft_fn, True)
         out, n, code, end, counts, _ = fn(
             runtime.params, runtime.cache, mtp.params, _stack([d.state for d in decs]),
             _stack([d.cache for d in decs]), logits, _stack([d.h_prev for d in decs]), P,
@@ -148,7 +149,7 @@ def _decode_loop(runtime: Runtime, mtp: MTPRuntime | None, decs: list, logits, P
     else:
         d0 = decs[0]
         out0 = np.zeros((B, out_slots(o.max_new_tokens, d0.n_nodes)), np.int32)
-        fn = _tree_fn(runtime.steps.tree_commit_verify, d0.drafter.root, d0.drafter.level, True)
+        fn = tree.jitted_loop(runtime.steps.tree_commit_verify, d0.drafter.root, d0.drafter.level, True)
         out, n, code, end, counts, _ = fn(
             runtime.params, runtime.cache, mtp.params, _stack([d.state for d in decs]),
             _stack([d.cache for d in decs]), logits, _stack([d.h_prev for d in decs]), P,

@@ -68,12 +68,8 @@ def jit_factory(build: Callable[[Graph], dict[str, tuple[Callable, dict]]]) -> C
             ns = cache[graph] = SimpleNamespace(**{name: jax.jit(f, **opts) for name, (f, opts) in build(graph).items()})
         return ns
 
-    functools.update_wrapper(fns, build)
-    fns.cache = cache
-    fns.cache_clear = cache.clear
-    _FACTORIES.append(fns)
     _GRAPH_CACHES.append(cache)
-    return fns
+    return _registered(fns, build, cache)
 
 
 def derived_cache(build: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,12 +87,18 @@ def derived_cache(build: Callable[..., Any]) -> Callable[..., Any]:
         for key in [k for k in cache if any(id(f) in dropped for f in k)]:
             del cache[key]
 
-    functools.update_wrapper(get, build)
-    get.cache = cache
-    get.cache_clear = cache.clear
     _DERIVED.append(forget)
-    _FACTORIES.append(get)
-    return get
+    return _registered(get, build, cache)
+
+
+def _registered(getter: Callable[..., Any], build: Callable[..., Any], cache: dict) -> Callable[..., Any]:
+    """getter, named as `build`, with `.cache` / `.cache_clear` and listed among the factories
+    `clear_caches` empties."""
+    functools.update_wrapper(getter, build)
+    getter.cache = cache
+    getter.cache_clear = cache.clear
+    _FACTORIES.append(getter)
+    return getter
 
 
 class Hold:

@@ -1,7 +1,7 @@
 """MTP speculative decoding with a chain of drafts (draft, verify, accept, roll back): `MTPDecoder`, the
-chain's drafter and verifier on the shared pass skeleton (`decoder.Decoder`), and `generate_mtp`: chain
-drafts from the MTP head, ONE trunk pass over [t, d1..dk], greedy / exact-match acceptance, rollback by
-GDN snapshot.
+chain's drafter and verifier on the shared pass skeleton (`decoder.Decoder`): chain drafts from the MTP
+head, ONE trunk pass over [t, d1..dk], greedy / exact-match acceptance, rollback by GDN snapshot. Its
+host and device loops: `strategies.chain`.
 
 One pass, with P the position of the certain token t and h[P-1] the target's final-normed hidden:
 1. `MTPRuntime.draft` (one jitted call): MTP KV catch-up for the rows accepted by the previous pass,
@@ -33,20 +33,15 @@ end, llama.cpp's budget cap) use the same compiled functions with fewer valid ro
 
 from __future__ import annotations
 
-import time
-from typing import Collection, Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sharpi_jax.model.snapkv import SnapKV
-from sharpi_jax.runtime import kv_eviction
-from sharpi_jax.runtime.decoder import Decoder, Verdict, argmax_rows, generate_passes, stack_rows
+from sharpi_jax.runtime.decoder import Decoder, Verdict, argmax_rows, stack_rows
 from sharpi_jax.runtime.draft_vocab import DraftVocab
-from sharpi_jax.runtime.generate import Generation
 from sharpi_jax.runtime.mtp import Draft, MTPRuntime
-from sharpi_jax.runtime.sampling import SamplingParams, sample
+from sharpi_jax.runtime.sampling import sample
 from sharpi_jax.runtime.state import gdn_caches, with_gdn
 from sharpi_jax.runtime.steps import Runtime
 
@@ -144,31 +139,3 @@ class MTPDecoder(Decoder):
                                    accepted=a))
         self.state = state
         return Verdict(accepted, nxt, stack_rows(tuple(hidden_rows[:a + 1]), self.K + 1), n_draft, n_draft)
-
-
-def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
-                 sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
-                 verify: str = "batched", width: int | None = None, full_rows: bool = False,
-                 trace: list | None = None, zero_h_first: bool = False, kv: SnapKV | None = None,
-                 mtp_kv: str = "snapkv", vocab: DraftVocab | None = None, p_min: float | None = None,
-                 resume=None) -> Generation:
-    """Speculative generation; the tokens are those of `generate.generate_ids` with the same arguments
-    (kv: the same SnapKV eviction; mtp_kv: evict the MTP head's KV too, or keep it whole).
-
-    stats: those of `generate_ids` (prompt_tokens, generated_tokens, prefill_s, prefill_tok_s (trunk +
-    MTP prompt processing), decode_s, decode_tok_s, stop_reason) plus speculative, draft_tokens,
-    verify, drafted (draft tokens verified), accepted, verify_passes, acceptance_rate
-    (accepted / drafted), mean_accept_len (mean over passes of accepted drafts + 1 = tokens per
-    trunk pass), accept_per_position (k fractions: position i accepted, over the passes that drafted
-    it), draft_s and verify_s (MTP vs trunk time; the rest of decode_s is host bookkeeping), kv_slots,
-    kv_evicted, kv_capacity (`kv_eviction.kv_stats`).
-    """
-    t0 = time.perf_counter()
-    capacity = kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context)
-    dec = MTPDecoder(runtime, mtp, draft_tokens, verify, width, full_rows, trace, zero_h_first, kv, capacity, mtp_kv,
-                     vocab, p_min)
-    dec.resume = resume  # a session's continued prefill (`session.Resume`)
-    out, stats, _ = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_position", t0)
-    return Generation(out, {**stats, "speculative": "mtp", "draft_tokens": dec.k, "verify": verify,
-                            "draft_vocab": None if vocab is None else vocab.size, "draft_p_min": p_min,
-                            **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context)})

@@ -1,5 +1,6 @@
 """Tree speculative decoding over the GDN/MoE hybrid: MTP-drafted trees, ONE trunk pass, per-node GDN state
-(`TreeDecoder`: the tree's drafter and verifier on the shared pass skeleton, `decoder.Decoder`).
+(`TreeDecoder`: the tree's drafter and verifier on the shared pass skeleton, `decoder.Decoder`; its host
+and device loops: `strategies.tree`).
 
 One pass, from the certain token t at position P:
 1. Draft (`tree_draft.TreeDrafter`): MTP KV catch-up along the previous pass's accepted path (paired
@@ -26,9 +27,6 @@ tree_nodes so that the pass's snapshots fit.
 from __future__ import annotations
 
 import functools
-import time
-from typing import Collection, Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,11 +35,9 @@ from sharpi_jax.config import ModelConfig
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.cache import cache_shapes
 from sharpi_jax.model.snapkv import SnapKV
-from sharpi_jax.runtime import kv_eviction
-from sharpi_jax.runtime.decoder import Decoder, Verdict, argmax_rows, generate_passes, stack_rows
-from sharpi_jax.runtime.generate import Generation
+from sharpi_jax.runtime.decoder import Decoder, Verdict, argmax_rows, stack_rows
 from sharpi_jax.runtime.mtp import Draft, MTPRuntime
-from sharpi_jax.runtime.sampling import SamplingParams, sample
+from sharpi_jax.runtime.sampling import sample
 from sharpi_jax.runtime.state import gdn_caches, move_kv_rows, select_snapshot
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.tree_draft import DraftTree, TreeDrafter
@@ -173,28 +169,3 @@ class TreeDecoder(Decoder):
                                    path=path, accepted=len(path) - 1))
         accepted = [int(tree.tokens[i]) for i in path[1:]]
         return Verdict(accepted, nxt, stack_rows(tuple(out[i][1] for i in path), self.k + 1), *self._size(tree))
-
-
-def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
-                  sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
-                  tree_nodes: int = 8, verify: str = "batched", trace: list | None = None,
-                  max_snapshot_bytes: int | None = None, kv: SnapKV | None = None, resume=None) -> Generation:
-    """Tree speculative generation; the tokens are those of `generate.generate_ids` with the same arguments.
-
-    stats: those of `generate_ids` plus speculative ("mtp_tree"), draft_tokens (depth), tree_nodes
-    (after the memory cap: the most a pass drafts), verify, drafted (draft nodes verified), drafted_nodes
-    (the nodes each pass actually drafted and verified, a list), accepted, verify_passes,
-    acceptance_rate (accepted / drafted), mean_accept_len (accepted + 1 per trunk pass),
-    accept_per_depth (fraction of the passes whose tree reached depth i that accepted >= i tokens),
-    snapshot_bytes_per_node, draft_s, verify_s. kv: SnapKV eviction at prefill (trunk and MTP head, as
-    `speculative.generate_mtp`), adding kv_slots / kv_evicted / kv_capacity.
-    """
-    t0 = time.perf_counter()
-    dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes, kv=kv,
-                      kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context))
-    dec.resume = resume  # a session's continued prefill (`session.Resume`)
-    out, stats, passes = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_depth", t0)
-    return Generation(out, {**stats, "speculative": "mtp_tree", "draft_tokens": dec.k, "tree_nodes": dec.n_nodes,
-                            "verify": verify, "drafted_nodes": [n for n, _, _ in passes],
-                            "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
-                            **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context)})

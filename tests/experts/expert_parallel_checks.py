@@ -50,18 +50,18 @@ def check_file(path: str, n: int, prompt: str, new_tokens: int, generate: bool) 
         out["greedy_parallel"] = par.generate(ids, **gen).tokens
         mtp = par.generate(ids, **gen, speculative="mtp", draft_tokens=MTP_DRAFTS)
         out["mtp_parallel"] = mtp.tokens
-        out["mtp_draft_tokens"] = mtp.stats["draft_tokens"]
-        out["mtp_accepted"] = mtp.stats["accepted"]
+        out["mtp_draft_tokens"] = mtp.stats.speculation.draft_tokens
+        out["mtp_accepted"] = mtp.stats.speculation.accepted
         out["mtp_logits_bitwise"] = bool(bitwise_equal(par.mtp_logits(ids), one.mtp_logits(ids)))
         tree = par.generate(ids, **gen, speculative="mtp_tree", draft_tokens=MTP_DRAFTS, tree_nodes=TREE_NODES)
-        out["tree_parallel"], out["tree_accepted"] = tree.tokens, tree.stats["accepted"]
+        out["tree_parallel"], out["tree_accepted"] = tree.tokens, tree.stats.speculation.accepted
         # SnapKV: a prompt longer than the budget, evicted at prefill; the chain decodes the compacted cache.
         long_ids = one.tokenizer.encode(prompt * 3)
         kv = dict(kv_policy="snapkv", kv_budget=KV_BUDGET, kv_window=4, speculative="mtp", draft_tokens=MTP_DRAFTS)
         snap_one = one.generate(long_ids, **gen, **kv)
         snap_par = par.generate(long_ids, **gen, **kv)
         out["snapkv_one"], out["snapkv_parallel"] = snap_one.tokens, snap_par.tokens
-        out["snapkv_evicted"] = snap_par.stats["kv_evicted"]
+        out["snapkv_evicted"] = snap_par.stats.kv.evicted
         snap_tree = par.generate(long_ids, **gen, **{**kv, "speculative": "mtp_tree", "tree_nodes": TREE_NODES})
         out["snapkv_tree_parallel"] = snap_tree.tokens
     # What each device holds: the routed experts split by expert id, every other param in full.
@@ -146,6 +146,36 @@ def check_hlo(path: str, n: int, rows: int = 5) -> dict:
             "layer": collectives(layer), "trunk": collectives(text)}
 
 
+def check_pallas(path: str, n: int, prompt: str) -> dict:
+    """kernels="pallas" (interpret mode on CPU) sharded over n devices against one device: logits bitwise,
+    MTP chain tokens, the routed-expert stacks' backend, and the sharded decode step lowered for CUDA
+    (Triton calls and all-reduces in its text)."""
+    import jax
+    import numpy as np
+
+    import sharpi_jax as sj
+    from tests.bitwise import bitwise_equal
+
+    load = dict(max_context=32, kernels="pallas", prefill_buckets=(8,))
+    one, par = sj.load(path, **load), sj.load(path, **load, expert_parallel=n)
+    ids = one.tokenizer.encode(prompt)[:8]
+    out = {"logits_bitwise": bool(bitwise_equal(par.logits(ids), one.logits(ids)))}
+    gen = dict(max_new_tokens=6, stop_on_eos=False, speculative="mtp", draft_tokens=MTP_DRAFTS)
+    out["mtp_one"], out["mtp_parallel"] = one.generate(ids, **gen).tokens, par.generate(ids, **gen).tokens
+    out["expert_backends"] = sorted({v["backend"] for k, v in par.matrix_backends.items() if ".experts." in k})
+    rt = par.runtime
+    cpu_backend, jax.default_backend = jax.default_backend, lambda: "gpu"  # trace as on a GPU: the Pallas
+    try:                                                                    # kernels leave interpret mode
+        text = rt._fns.decode.trace(rt.params, rt.cache, rt.new_state(), np.int32(1), np.int32(0)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    finally:
+        jax.default_backend = cpu_backend  # the next checks run on the CPU again ("auto" = ggml)
+    out["cuda_triton_calls"] = text.count("__gpu$xla.gpu.triton")
+    out["cuda_all_reduces"] = text.count("all_reduce")
+    out["moe_layers"] = sum(b.is_moe for b in par.model.layers)
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=4)
@@ -154,6 +184,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--generate", action="append", default=[], help="a file that also runs generation")
     parser.add_argument("--dispatch", action="store_true", help="also run `check_dispatch`")
     parser.add_argument("--hlo", default=None, help="a file whose compiled collectives `check_hlo` reports")
+    parser.add_argument("--pallas", default=None, help="a file `check_pallas` runs (kernels='pallas')")
     parser.add_argument("files", nargs="*")
     args = parser.parse_args(argv)
     _force_devices(args.devices)
@@ -161,6 +192,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps({"dispatch": check_dispatch(args.devices)}), flush=True)
     if args.hlo:
         print(json.dumps({"hlo": check_hlo(args.hlo, args.devices)}), flush=True)
+    if args.pallas:
+        print(json.dumps({"pallas": check_pallas(args.pallas, args.devices, args.prompt)}), flush=True)
     generate = set(args.generate)
     for path in args.files:
         print(json.dumps(check_file(path, args.devices, args.prompt, args.new_tokens, path in generate)), flush=True)

@@ -20,6 +20,8 @@ F32/Q8_0):
 - a 2-process `jax.distributed` run of `experiments.generate --expert_parallel=2` (one CPU device per
   process) prints the one-device greedy tokens.
 - the compiled HLO: one all-reduce of int32 [rows, k, D] per MoE layer, no other collective.
+- kernels="pallas" (interpret mode) over the 4 devices: logits bitwise one device's, MTP tokens equal, and
+  the sharded decode step lowers for CUDA with Triton kernels and one all-reduce per MoE layer.
 Plus the dispatch itself for both XLA modes and row kernels, and the InputErrors (in-process, 1 device).
 """
 
@@ -65,7 +67,8 @@ def _run_checks(args: list[str]) -> list[dict]:
 def _jobs(generate: list) -> list[list[str]]:
     """Two subprocess argument lists of about equal cost (a file with generation checks costs ~4 logits-only
     files; the dispatch check ~1)."""
-    options, files, costs = [["--dispatch", f"--hlo={_path(HLO_FILE)}"], []], [[], []], [2, 0]
+    options, files, costs = [["--dispatch", f"--hlo={_path(HLO_FILE)}"], [f"--pallas={_path(PALLAS_FILE)}"]], \
+        [[], []], [2, 3]
     for f in sorted(MOE_FILES, key=lambda f: f not in generate):
         i = costs.index(min(costs))
         options[i] += [f"--generate={_path(f)}"] if f in generate else []
@@ -76,6 +79,7 @@ def _jobs(generate: list) -> list[list[str]]:
 
 MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")
 HLO_FILE = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
+PALLAS_FILE = ("tiny-qwen35moe", "Q8_0")  # every matrix has a Pallas kernel (Q4_K_M's MTP block has Q5_0)
 
 
 def _free_port() -> int:
@@ -109,6 +113,7 @@ def _results(generate: list, multihost: bool = False) -> dict:
         by_file = {ln["file"]: ln for ln in lines if "file" in ln}
         by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
         by_file["hlo"] = next(ln["hlo"] for ln in lines if "hlo" in ln)
+        by_file["pallas"] = next(ln["pallas"] for ln in lines if "pallas" in ln)
         by_file["multihost"] = two.result() if two else None
     return by_file
 
@@ -219,9 +224,23 @@ def test_expert_parallel_errors_name_the_problem():
         parallel.check_expert_parallel(16, moe)
 
 
-def test_load_rejects_expert_parallel_with_a_budget_or_pallas():
+def test_load_rejects_expert_parallel_with_a_budget():
     path = fixture_path("tiny-qwen35moe", "tiny-qwen35moe-Q8_0.gguf")
     with pytest.raises(InputError, match="expert_budget is not supported yet"):
         sj.load(path, max_context=16, expert_parallel=1, expert_budget="50%", expert_policy="static")
-    with pytest.raises(InputError, match="kernels='pallas' is not supported yet"):
-        sj.load(path, max_context=16, expert_parallel=1, kernels="pallas")
+
+
+def test_pallas_logits_bitwise_equal_one_device(results):
+    """kernels="pallas" (interpret mode here) over 4 devices: each device runs the grouped Pallas kernel on
+    its own experts; logits bitwise one device's, the MTP chain's tokens equal."""
+    r = results["pallas"]
+    assert r["expert_backends"] == ["pallas"]
+    assert r["logits_bitwise"]
+    assert r["mtp_parallel"] == r["mtp_one"] and len(r["mtp_one"]) == 6
+
+
+def test_pallas_sharded_decode_step_lowers_for_cuda(results):
+    """The sharded decode step lowered for CUDA: Triton kernels, and one all-reduce per MoE layer."""
+    r = results["pallas"]
+    assert r["cuda_triton_calls"] >= 2 * r["moe_layers"]  # at least the grouped matmul and the reduce
+    assert r["cuda_all_reduces"] == r["moe_layers"]

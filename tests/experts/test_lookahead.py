@@ -64,7 +64,7 @@ def _check_cell(policy: str, mode: str, runs, buffer: int = 0) -> list[dict]:
     for run, sampling in runs:
         got = e.generate(PROMPT, max_new_tokens=N_NEW, **RUNS[run], **SAMPLING[sampling])
         assert got.tokens == _reference(run, sampling), (policy, mode, run, sampling)
-        st = got.stats["experts"]
+        st = got.stats.experts
         bpe = next(iter(e.residency.plan.layers.values())).bytes_per_expert
         assert st["hit_rate"] < 1.0 and st["lookahead"] == [mode]
         assert st["hits"] + st["misses"] == sum(p["pairs"] for p in st["per_layer"].values())

@@ -83,7 +83,7 @@ def _check_engine(path: str, frac: float, policy: str, **options):
     assert_bitwise_equal(got, ref)
     out = e.generate(_prompt(e), max_new_tokens=N_NEW, stop_on_eos=False)
     assert out.tokens == list(ref["tokens"])
-    st = out.stats["experts"]
+    st = out.stats.experts
     assert st["tokens"] == PROMPT_LEN + N_NEW - 1 and 0.0 <= st["hit_rate"] <= 1.0
     assert set(st["hit_rate_per_layer"]) == set(e.residency.plan.layers)
     # Memory: the slot stacks on the device (their real nbytes) + the staging never exceed the budget.

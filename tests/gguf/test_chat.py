@@ -85,7 +85,7 @@ def test_generate_messages_is_the_rendered_prompt():
     for thinking in (True, False):
         ids = engine.tokenizer.apply_chat_template(msgs, tokenize=True, enable_thinking=thinking)
         out = engine.generate(messages=msgs, max_new_tokens=6, enable_thinking=thinking)
-        assert out.stats["prompt_tokens"] == len(ids)  # the prompt is the rendered chat, switch included
+        assert out.stats.speed.prompt_tokens == len(ids)  # the prompt is the rendered chat, switch included
         assert out.tokens == engine.generate(ids, max_new_tokens=6).tokens
     with pytest.raises(InputError, match="not both"):
         engine.generate("x", messages=msgs)

@@ -75,7 +75,7 @@ def test_split_streams_cold_experts_bitwise(tmp_path, one_file):
     parts = write_split(path, tmp_path / "model.gguf", 3)
     engine = sj.load(parts[1], max_context=64, expert_budget="25%", expert_policy="lru")
     assert_bitwise_equal(engine.logits(PROMPT), want)
-    assert engine.generate(PROMPT, max_new_tokens=4).stats["experts"]["bytes_streamed"] > 0
+    assert engine.generate(PROMPT, max_new_tokens=4).stats.experts["bytes_streamed"] > 0
 
 
 @pytest.fixture

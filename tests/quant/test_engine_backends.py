@@ -82,7 +82,7 @@ def test_pallas_backend_runs_the_kernels_and_matches_the_reference():
     # MTP with 3 drafts over 24 tokens (EOS ignored): verify rows, rollbacks and drafts all run the kernels.
     out = e.generate(toks, max_new_tokens=24, speculative="mtp", draft_tokens=3, stop_on_eos=False)
     assert out.tokens == ref.generate(toks, max_new_tokens=24, stop_on_eos=False).tokens
-    assert len(out.tokens) == 24 and 0 < out.stats["accepted"] < out.stats["drafted"]
+    assert len(out.tokens) == 24 and 0 < out.stats.speculation.accepted < out.stats.speculation.drafted
 
 
 def test_pallas_decode_step_lowers_for_triton(monkeypatch):

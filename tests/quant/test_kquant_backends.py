@@ -116,9 +116,9 @@ def test_generate_stats_record_the_backends():
     path = fixture_path("tiny-qwen35moe", "tiny-qwen35moe-Q8_0.gguf")
     e = sj.load(path, max_context=64, prefill_buckets=(16,), kernels="xla")
     out = e.generate([5, 17, 300], max_new_tokens=1)
-    assert out.stats["backends"] == {"xla": len(e.matrix_backends)}
-    assert out.stats["matrix_backends"]["lm_head.w"] == "xla"
-    assert set(out.stats["matrix_backends"]) == set(e.matrix_backends)
+    assert out.stats.backends.counts == {"xla": len(e.matrix_backends)}
+    assert out.stats.backends.matrices["lm_head.w"] == "xla"
+    assert set(out.stats.backends.matrices) == set(e.matrix_backends)
 
 
 @pytest.mark.parametrize("kernels", ["xla", "reference"])

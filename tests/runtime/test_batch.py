@@ -22,9 +22,11 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.model.moe import padding_route
 from sharpi_jax.quant import ggml
 from sharpi_jax.runtime.batch import generate_batch
-from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, generate_tree_device
-from sharpi_jax.runtime.options import GenerateOptions
+from sharpi_jax.runtime.options import Chain, GenerateOptions, Tree
 from sharpi_jax.runtime.sampling import SamplingParams
+from sharpi_jax.runtime.strategies.chain import generate_mtp_device
+from sharpi_jax.runtime.strategies.plain import generate_ids_device
+from sharpi_jax.runtime.strategies.tree import generate_tree_device
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, load_references
 from tests.runtime.test_device_loop import VARIANTS  # every fixture file
@@ -56,7 +58,8 @@ def alone(e, mode, ids, n, sampling, stop, k=3, nodes=8):
 def check(e, prompts, mode, sampling, n=24, stop=(), seeds=None, k=3):
     """generate_batch == each prompt alone (tokens, stop reason, pass stats). Returns the batch's runs."""
     seeds = seeds or [sampling.seed + 11 * i for i in range(len(prompts))]
-    opts = GenerateOptions(max_new_tokens=n, sampling=sampling, speculative=mode, draft_tokens=k)
+    spec = {"mtp": Chain(k), "mtp_tree": Tree(k)}.get(mode)
+    opts = GenerateOptions(max_new_tokens=n, sampling=sampling, speculation=spec)
     got = generate_batch(e.runtime, e.mtp if mode else None, prompts, opts, stop, seeds=seeds)
     for ids, seed, g in zip(prompts, seeds, got, strict=True):
         ref = alone(e, mode, ids, n, dataclasses.replace(sampling, seed=seed), stop, k)
@@ -122,7 +125,7 @@ def test_engine_generate_batch(default_engine):
     for p, s, o in zip(PROMPTS[:2], (5, 9), outs):
         ref = e.generate(p, max_new_tokens=12, speculative="mtp", temperature=0.7, seed=s)
         assert o.tokens == ref.tokens and o.text == ref.text
-        assert o.stats["batch"] == 2 and o.stats["seed"] == s and o.stats["batch_decode_tok_s"] > 0
+        assert o.stats.batch.size == 2 and o.stats.batch.seed == s and o.stats.batch.decode_tok_s > 0
     # Chats through a chat template (the embedded model's file has none: a Qwen3.5-style one for the test).
     template = (Path(__file__).parents[1] / "gguf" / "chat" / "qwen35_style.jinja").read_text()
     chats = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "write a loop"}]]
@@ -133,7 +136,7 @@ def test_engine_generate_batch(default_engine):
     finally:
         e.tokenizer.chat_template = saved
     assert [o.tokens for o in outs] == [r.tokens for r in refs]
-    assert outs[0].stats["prompt_tokens"] != outs[1].stats["prompt_tokens"]
+    assert outs[0].stats.speed.prompt_tokens != outs[1].stats.speed.prompt_tokens
 
 
 @pytest.mark.parametrize("kw,match", [

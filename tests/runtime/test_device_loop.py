@@ -12,11 +12,11 @@ import pytest
 import sharpi_jax as sj
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.snapkv import policy
-from sharpi_jax.runtime.device_loop import generate_ids_device, generate_mtp_device, generate_tree_device, out_slots
-from sharpi_jax.runtime.generate import generate_ids
+from sharpi_jax.runtime.device_loop import out_slots
 from sharpi_jax.runtime.sampling import SamplingParams
-from sharpi_jax.runtime.speculative import generate_mtp
-from sharpi_jax.runtime.tree import generate_tree
+from sharpi_jax.runtime.strategies.chain import generate_mtp, generate_mtp_device
+from sharpi_jax.runtime.strategies.plain import generate_ids, generate_ids_device
+from sharpi_jax.runtime.strategies.tree import generate_tree, generate_tree_device
 from tests.conftest import fixture_engine, load_references
 
 GREEDY = SamplingParams()
@@ -126,9 +126,9 @@ def test_engine_generate_loop_option(default_engine):
         host = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative=spec, loop="host")
         dev = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative=spec)
         assert dev.tokens == host.tokens and dev.text == host.text
-        assert (host.stats["loop"], dev.stats["loop"]) == ("host", "device")
+        assert (host.stats.speed.loop, dev.stats.speed.loop) == ("host", "device")
     seq = e.generate("def fibonacci(n):\n", max_new_tokens=20, speculative="mtp", verify="sequential")
-    assert seq.stats["loop"] == "host" and seq.tokens == dev.tokens  # sequential verify is the host reference
+    assert seq.stats.speed.loop == "host" and seq.tokens == dev.tokens  # sequential verify is the host reference
     with pytest.raises(InputError, match="loop must be one of"):
         e.generate("x", loop="gpu")
 

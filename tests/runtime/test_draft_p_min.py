@@ -28,8 +28,8 @@ def _run(engine, loop, p_min, **kw):
 
 
 def _same_passes(a, b):
-    for key in ("drafted", "accepted", "verify_passes", "accept_per_position"):
-        assert a.stats[key] == b.stats[key], key
+    for field in ("drafted", "accepted", "verify_passes", "accept_per_position"):
+        assert getattr(a.stats.speculation, field) == getattr(b.stats.speculation, field), field
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +42,15 @@ def test_lossless_and_loops_agree(engine, greedy_runs):
     dev, host = greedy_runs[0.9], _run(engine, "host", 0.9)
     assert dev.tokens == host.tokens == greedy_runs["off"].tokens == greedy_runs[0.0].tokens
     _same_passes(dev, host)
-    assert dev.stats["draft_p_min"] == 0.9 and host.stats["draft_p_min"] == 0.9
-    assert dev.stats["drafted"] < K * dev.stats["verify_passes"]  # the chain is really cut
+    assert dev.stats.speculation.draft_p_min == 0.9 and host.stats.speculation.draft_p_min == 0.9
+    assert dev.stats.speculation.drafted < K * dev.stats.speculation.verify_passes  # the chain is really cut
 
 
 def test_lossless_seeded(engine):
     sampling = {"temperature": 0.8, "top_k": 20, "seed": 3}
     off = engine.generate(PROMPT, max_new_tokens=N, stop_on_eos=False, **sampling)
     dev = _run(engine, "device", 0.5, **sampling)
-    assert dev.tokens == off.tokens and dev.stats["drafted"] < K * dev.stats["verify_passes"]
+    assert dev.tokens == off.tokens and dev.stats.speculation.drafted < K * dev.stats.speculation.verify_passes
 
 
 def test_rule_at_its_ends(engine, greedy_runs):
@@ -59,7 +59,7 @@ def test_rule_at_its_ends(engine, greedy_runs):
     base = greedy_runs[0.0]
     _same_passes(_run(engine, "device", 0.5 / engine.config.n_vocab), base)
     cut = _run(engine, "device", 0.999999)
-    assert cut.tokens == base.tokens and cut.stats["drafted"] < base.stats["drafted"] / 2
+    assert cut.tokens == base.tokens and cut.stats.speculation.drafted < base.stats.speculation.drafted / 2
 
 
 def test_first_draft_against_the_heads_probability(engine):
@@ -74,8 +74,8 @@ def test_first_draft_against_the_heads_probability(engine):
     def first_pass_drafts(p_min):  # 2 tokens: the prefill's, then one pass
         out = engine.generate(ids, max_new_tokens=2, speculative="mtp", draft_tokens=1, draft_p_min=p_min,
                               stop_on_eos=False)
-        assert out.stats["verify_passes"] == 1
-        return out.stats["drafted"]
+        assert out.stats.speculation.verify_passes == 1
+        return out.stats.speculation.drafted
 
     assert first_pass_drafts(p1 * (1 - 1e-3)) == 1
     assert first_pass_drafts(min(p1 * (1 + 1e-3), 0.999)) == 0
@@ -96,11 +96,11 @@ def test_with_draft_vocab_and_seeded_host(engine):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(speculative="mtp", draft_p_min=1.0), "draft_p_min must be a probability"),
-    (dict(speculative="mtp", draft_p_min=-0.1), "draft_p_min must be a probability"),
-    (dict(speculative="mtp", draft_p_min="0.5"), "draft_p_min must be a probability"),
-    (dict(draft_p_min=0.5), "applies to speculative='mtp'"),
-    (dict(speculative="mtp_tree", draft_p_min=0.5), "applies to speculative='mtp'"),
+    (dict(speculative="mtp", draft_p_min=1.0), r"draft_p_min\) must be a probability"),
+    (dict(speculative="mtp", draft_p_min=-0.1), r"draft_p_min\) must be a probability"),
+    (dict(speculative="mtp", draft_p_min="0.5"), r"draft_p_min\) must be a probability"),
+    (dict(draft_p_min=0.5), "apply to speculative='mtp'"),
+    (dict(speculative="mtp_tree", draft_p_min=0.5), "apply to speculative='mtp'"),
 ])
 def test_bad_values(engine, kw, match):
     with pytest.raises(InputError, match=match):

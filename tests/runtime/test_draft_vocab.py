@@ -45,7 +45,7 @@ def test_the_embedded_model_ships_its_ranking():
     assert source == str(shipped) and sorted(rank.tolist()) == list(range(engine.config.n_vocab))
     assert rank[:512].tolist() != list(range(512))
     out = engine.generate(PROMPT, max_new_tokens=4, speculative="mtp", draft_vocab=512)
-    assert out.stats["draft_vocab_ranking"] == str(shipped)
+    assert out.stats.speculation.draft_vocab_ranking == str(shipped)
 
 
 def test_subset_head_is_the_full_head_restricted(engine):
@@ -94,17 +94,17 @@ def test_output_unchanged_and_calibration_saved(engine, monkeypatch, tmp_path):
     for loop in ("host", "device"):
         out = engine.generate(PROMPT, max_new_tokens=32, speculative="mtp", loop=loop, draft_vocab=512)
         assert out.tokens == ref.tokens == full.tokens == fallback.tokens
-        assert out.stats["draft_vocab"] == 512 and out.stats["draft_vocab_ranking"] == str(saved)
-    assert full.stats["draft_vocab"] is None and "draft_vocab_ranking" not in full.stats
-    assert fallback.stats["draft_vocab_ranking"] == draft_vocab.FALLBACK
-    assert fallback.stats["drafted"] > 0
+        assert out.stats.speculation.draft_vocab == 512 and out.stats.speculation.draft_vocab_ranking == str(saved)
+    assert full.stats.speculation.draft_vocab is None and full.stats.speculation.draft_vocab_ranking is None
+    assert fallback.stats.speculation.draft_vocab_ranking == draft_vocab.FALLBACK
+    assert fallback.stats.speculation.drafted > 0
 
 
-@pytest.mark.parametrize("kw,match", [(dict(draft_vocab=0), "draft_vocab must be an integer in"),
+@pytest.mark.parametrize("kw,match", [(dict(draft_vocab=0), "Chain.draft_vocab must be a positive integer"),
                                       (dict(draft_vocab=10 ** 9), "draft_vocab must be an integer in"),
-                                      (dict(draft_vocab=1.5), "draft_vocab must be an integer in"),
-                                      (dict(draft_vocab=64, speculative=None), "applies to speculative='mtp'"),
-                                      (dict(draft_vocab=64, speculative="mtp_tree"), "applies to speculative='mtp'")])
+                                      (dict(draft_vocab=1.5), "Chain.draft_vocab must be a positive integer"),
+                                      (dict(draft_vocab=64, speculative=None), "apply to speculative='mtp'"),
+                                      (dict(draft_vocab=64, speculative="mtp_tree"), "apply to speculative='mtp'")])
 def test_bad_values(engine, kw, match):
     kw = {"speculative": "mtp", **kw}
     with pytest.raises(InputError, match=match):

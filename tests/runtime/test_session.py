@@ -80,8 +80,8 @@ def test_turns_equal_fresh_generate(engine, spec, kw):
         assert out.tokens == ref.tokens and out.text == ref.text, i
         assert s.ids == conv + out.tokens
         reused = 0 if prev is None else 256 * ((prev - 1) // 256)
-        assert out.stats["session_reused_tokens"] == reused and (i == 0 or reused > 0)
-        assert out.stats["session_prefilled_tokens"] == len(conv) - reused
+        assert out.stats.session.reused_tokens == reused and (i == 0 or reused > 0)
+        assert out.stats.session.prefilled_tokens == len(conv) - reused
         assert s.prefilled == 256 * ((len(conv) - 1) // 256)
         prev = len(conv)
 
@@ -94,7 +94,7 @@ def test_fork_branches_without_touching_the_original(engine):
     a = f.generate("\nprint(add(1, 2))", max_new_tokens=8, speculative="mtp")
     b = f.generate("\nprint(add(3, 4))", max_new_tokens=8)
     c = s.generate("\nprint(add(1, 2))", max_new_tokens=8, speculative="mtp")  # the original, as before the fork
-    assert c.tokens == a.tokens and c.stats["session_reused_tokens"] == a.stats["session_reused_tokens"]
+    assert c.tokens == a.tokens and c.stats.session.reused_tokens == a.stats.session.reused_tokens
     assert f.ids != s.ids and len(f.ids) > len(s.ids)
     assert b.tokens == e.generate(f.ids[:len(f.ids) - len(b.tokens)], max_new_tokens=8).tokens
 
@@ -116,7 +116,7 @@ def test_chat_messages(engine):
             assert out.tokens == ref.tokens
             chat = chat + [{"role": "assistant", "content": out.text}]
             assert s.messages == chat
-        assert out.stats["session_reused_tokens"] > 0
+        assert out.stats.session.reused_tokens > 0
     finally:
         e.tokenizer.chat_template = saved
 

@@ -20,9 +20,9 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.model import snapkv
 from sharpi_jax.model.snapkv import SnapKV, keep_positions
 from sharpi_jax.runtime import kv_eviction
-from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
-from sharpi_jax.runtime.speculative import generate_mtp
+from sharpi_jax.runtime.strategies.chain import generate_mtp
+from sharpi_jax.runtime.strategies.plain import generate_ids
 from sharpi_jax.runtime.state import attention_caches, with_attention
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, fixture_path, load_references
@@ -351,7 +351,7 @@ def test_engine_generate_options():
     for spec in (dict(), dict(speculative="mtp", draft_tokens=WIDTH)):
         out = e.generate(ids, max_new_tokens=N_NEW, stop_on_eos=False, **opts, **spec)
         assert out.tokens == ref
-        assert out.stats["kv_evicted"] == len(ids) - KV.budget and out.stats["kv_capacity"] == KV.budget + N_NEW
+        assert out.stats.kv.evicted == len(ids) - KV.budget and out.stats.kv.capacity == KV.budget + N_NEW
     base = SnapKV(100, 8, 3)
     assert _kv_policy("default", None, None, None, base) == base
     assert _kv_policy("default", 50, None, None, base) == SnapKV(50, 8, 3)
@@ -370,8 +370,7 @@ def test_tree_over_an_evicted_cache_equals_plain(name):
     """Draft trees (depth 3, 8 nodes) verified over the same evicted cache: host batched, host
     sequential and the device loop give the tokens of plain decoding with that eviction (greedy and
     seeded), with partial acceptance (the accepted path's K/V moved to its compacted slots)."""
-    from sharpi_jax.runtime.device_loop import generate_tree_device
-    from sharpi_jax.runtime.tree import generate_tree
+    from sharpi_jax.runtime.strategies.tree import generate_tree, generate_tree_device
     e = engine(name)
     rt, ids = e.runtime, long_prompt(name)
     sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)

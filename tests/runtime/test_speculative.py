@@ -16,10 +16,10 @@ import pytest
 import sharpi_jax as sj
 from sharpi_jax.config import tiny_qwen35moe
 from sharpi_jax.errors import InputError
-from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.llamacpp import llamacpp_protocol
-from sharpi_jax.runtime.speculative import generate_mtp
+from sharpi_jax.runtime.strategies.chain import generate_mtp
+from sharpi_jax.runtime.strategies.plain import generate_ids
 from sharpi_jax.testing import write_synthetic_gguf
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, fixture_path, load_references
@@ -207,11 +207,13 @@ def test_engine_generate_api():
     for verify in ("batched", "sequential"):
         out = e.generate(prompt, max_new_tokens=24, speculative="mtp", draft_tokens=WIDTH, verify=verify, loop="host")
         assert out.tokens == ref.tokens and out.text == ref.text
-        for key in ("drafted", "accepted", "mean_accept_len", "acceptance_rate", "accept_per_position",
-                    "verify_passes", "decode_tok_s", "prefill_tok_s", "draft_s", "verify_s"):
-            assert key in out.stats
-        assert out.stats["speculative"] == "mtp" and out.stats["verify"] == verify
-        assert len(out.stats["accept_per_position"]) == WIDTH
+        spec = out.stats.speculation
+        for field in ("drafted", "accepted", "mean_accept_len", "acceptance_rate", "accept_per_position",
+                      "verify_passes", "draft_s", "verify_s"):
+            assert getattr(spec, field) is not None, field
+        assert out.stats.speed.decode_tok_s > 0 and out.stats.speed.prefill_tok_s > 0
+        assert out.stats.speculation.mode == "mtp" and out.stats.speculation.verify == verify
+        assert len(out.stats.speculation.accept_per_position) == WIDTH
     for kw in (dict(draft_tokens=0), dict(draft_tokens=True), dict(verify="tree")):
         with pytest.raises(InputError):
             e.generate(prompt, speculative="mtp", **kw)

@@ -15,11 +15,12 @@ import pytest
 
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.tree import tree_arrays
-from sharpi_jax.runtime.generate import generate_ids
 from sharpi_jax.runtime.sampling import SamplingParams
-from sharpi_jax.runtime.speculative import generate_mtp
 from sharpi_jax.runtime.state import gdn_caches
-from sharpi_jax.runtime.tree import capped_tree_nodes, generate_tree, snapshot_bytes_per_node
+from sharpi_jax.runtime.strategies.chain import generate_mtp
+from sharpi_jax.runtime.strategies.plain import generate_ids
+from sharpi_jax.runtime.strategies.tree import generate_tree
+from sharpi_jax.runtime.tree import capped_tree_nodes, snapshot_bytes_per_node
 from sharpi_jax.runtime.tree_draft import branching
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, load_references
@@ -221,9 +222,9 @@ def test_engine_generate_tree_api():
         out = e.generate(prompt, max_new_tokens=24, speculative="mtp_tree", draft_tokens=3, tree_nodes=8,
                          verify=verify)
         assert out.tokens == ref.tokens and out.text == ref.text
-        for key in ("drafted", "accepted", "mean_accept_len", "accept_per_depth", "verify_passes", "tree_nodes",
-                    "snapshot_bytes_per_node"):
-            assert key in out.stats
+        for field in ("drafted", "accepted", "mean_accept_len", "accept_per_depth", "verify_passes", "tree_nodes",
+                      "snapshot_bytes_per_node"):
+            assert getattr(out.stats.speculation, field) is not None, field
     for kw in (dict(tree_nodes=2, draft_tokens=3), dict(tree_nodes=0), dict(tree_nodes=True), dict(verify="x"),
                dict(max_snapshot_bytes=1)):
         with pytest.raises(InputError):
@@ -233,7 +234,7 @@ def test_engine_generate_tree_api():
     out = e.generate(prompt, max_new_tokens=4, speculative="mtp_tree", kv_policy="snapkv", kv_budget=8,
                      kv_window=4)  # combined (tokens checked in tests/runtime/test_snapkv.py)
     assert out.tokens == e.generate(prompt, max_new_tokens=4, kv_policy="snapkv", kv_budget=8, kv_window=4).tokens
-    assert out.stats["kv_evicted"] > 0
+    assert out.stats.kv.evicted > 0
 
 
 def reference_tree(e, prompt, t, k, nodes):
