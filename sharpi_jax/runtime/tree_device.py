@@ -81,12 +81,7 @@ def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_vali
         scatter = jnp.where(bvalid, sel, Nc)
         slot = slot.at[scatter].set(first + rows_b, mode="drop")
         hrow = hrow.at[scatter].set(rows_b, mode="drop")
-        anc = jnp.broadcast_to(base + cols, (B, W))
-        node = sel
-        for e in range(d - 1, -1, -1):  # the path's MTP slots, depth e + 1 = d down to 1
-            anc = anc.at[:, e].set(jnp.where(bvalid, slot[node], anc[:, e]))
-            node = par[node]
-        anc = jnp.minimum(anc, S - 1)
+        anc = _ancestor_slots(jnp.broadcast_to(base + cols, (B, W)), d, sel, bvalid, slot, par, S)
 
         def run(cache, prev_hp, btok=btok, pidx=pidx, bdepth=bdepth, slots=slots, anc=anc, nb=nb):
             return level(params, cache, btok, prev_hp, pidx, base, nb, bdepth, slots, anc, c)
@@ -96,16 +91,44 @@ def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_vali
 
         idx, lp, hp, cache = jax.lax.cond(active, lambda *a: tuple(run(*a))[:4], skip, cache, prev_hp)
         prev_hp = hp
-        off = 1 + c + (d - 1) * c * c
-        blk = slice(off, off + c * c)
-        tok = tok.at[blk].set(idx[:c].reshape(-1))
-        par = par.at[blk].set(jnp.repeat(sel[:c], c))
-        dep = dep.at[blk].set(d + 1)
-        score = score.at[blk].set(jnp.repeat(score[sel[:c]], c) + lp[:c].reshape(-1))
-        chain = chain.at[blk].set(jnp.repeat(chain[sel[:c]], c) & jnp.tile(j_of == 0, c))
-        valid = valid.at[blk].set(jnp.repeat(bvalid[:c], c))
+        tok, par, dep, score, chain, valid = _add_children((tok, par, dep, score, chain, valid), d, c, j_of, idx,
+                                                           lp, sel, bvalid)
 
-    # Selection (`TreeDrafter._select`): every chain node, then the best others by (score, depth, index).
+    tree_tok, tree_par, tree_dep, n_rows = _select(cand, tok, par, dep, score, chain, valid, n_nodes, N)
+    return DeviceTree(tree_tok, tree_par, tree_dep, n_rows, cache, h_t)
+
+
+def _ancestor_slots(anc, d: int, sel, bvalid, slot, par, S):
+    """The beam rows' ancestor MTP slots [B, W]: column e holds the slot of the path's node at depth
+    e + 1 (d down to 1), for valid rows; the rest keep `anc`'s; clipped to the cache (S - 1)."""
+    node = sel
+    for e in range(d - 1, -1, -1):
+        anc = anc.at[:, e].set(jnp.where(bvalid, slot[node], anc[:, e]))
+        node = par[node]
+    return jnp.minimum(anc, S - 1)
+
+
+def _add_children(nodes: tuple, d: int, c: int, j_of, idx, lp, sel, bvalid) -> tuple:
+    """The c x c candidates a level call drafted (the top c of each of the c beam nodes), written into the
+    node arrays (tok, par, dep, score, chain, valid) at their block: score adds the log-probability to
+    the parent's, a chain node is the first child of a chain node."""
+    tok, par, dep, score, chain, valid = nodes
+    off = 1 + c + (d - 1) * c * c
+    blk = slice(off, off + c * c)
+    tok = tok.at[blk].set(idx[:c].reshape(-1))
+    par = par.at[blk].set(jnp.repeat(sel[:c], c))
+    dep = dep.at[blk].set(d + 1)
+    score = score.at[blk].set(jnp.repeat(score[sel[:c]], c) + lp[:c].reshape(-1))
+    chain = chain.at[blk].set(jnp.repeat(chain[sel[:c]], c) & jnp.tile(j_of == 0, c))
+    valid = valid.at[blk].set(jnp.repeat(bvalid[:c], c))
+    return tok, par, dep, score, chain, valid
+
+
+def _select(cand, tok, par, dep, score, chain, valid, n_nodes, N: int):
+    """Selection (`TreeDrafter._select`): every chain node, then the best others by (score, depth,
+    index), at most n_nodes -> the tree's (tokens, parents, depths) [1 + N] with the root as row 0, and
+    its rows in use. cand: the candidates' indices 0..Nc-1."""
+    Nc = tok.shape[0]
     real = valid & (cand > 0)
     is_chain = real & chain
     others = real & ~chain
@@ -119,7 +142,7 @@ def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_vali
     tree_tok = jnp.concatenate([tok[:1], jnp.where(inside, tok[order], 0)])
     tree_par = jnp.concatenate([jnp.full((1,), -1, jnp.int32), jnp.where(inside, row_of[par[order]], -1)])
     tree_dep = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(inside, dep[order], 0)])
-    return DeviceTree(tree_tok, tree_par, tree_dep, 1 + n_kept, cache, h_t)
+    return tree_tok, tree_par, tree_dep, 1 + n_kept
 
 
 def tree_arrays(parent, n_valid):
