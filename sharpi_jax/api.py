@@ -547,6 +547,8 @@ def load_shortcuts(run: RunConfig | None = None, residency: ExpertResidency | No
     if run_config is not None:
         if run is not None:
             raise InputError("give run= or run_config=, not both")
+        if not isinstance(run_config, RunConfig):
+            raise InputError(f"run_config must be a sharpi_jax.RunConfig, got {type(run_config).__name__}")
         run = run_config
     if run is not None and not isinstance(run, RunConfig):
         raise InputError(f"run must be a sharpi_jax.RunConfig, got {type(run).__name__}")

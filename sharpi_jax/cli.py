@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -100,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     points = entry_points(folder)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage(points))
+        try:
+            print(_usage(points), flush=True)
+        except BrokenPipeError:  # `sharpi --help | head -1`: the reader left; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         module, rest = resolve(argv, points)
