@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from experiments.cli import fail
 from experiments.timing import spread
 
 
@@ -41,8 +42,7 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0
     if len(args) > 1 or args and not (args[0].isdigit() and int(args[0]) > 0):
-        print(f"error: {' '.join(args)!r} is not a buffer size in MiB\n{USAGE}", file=sys.stderr)
-        return 2
+        return fail(f"{' '.join(args)!r} is not a buffer size in MiB\n{USAGE}")
     mib = int(args[0]) if args else 512
     s = copy_bandwidth(mib)
     print(f"copy bandwidth ({mib} MiB, numpy, 1 thread): {s['median']:.2f} GB/s [{s['min']:.2f}-{s['max']:.2f}]")

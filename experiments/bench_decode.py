@@ -36,6 +36,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import llama_cpp_side
+from experiments.cli import fail
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
 from sharpi_jax.errors import SharpiError
 
@@ -313,18 +314,14 @@ def main(argv) -> int:
     try:
         models = _models()
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if not models:
-        print("error: no model to bench (no fixtures found, --nosynthetic, or --only matched nothing)",
-              file=sys.stderr)
-        return 2
+        return fail("no model to bench (no fixtures found, --nosynthetic, or --only matched nothing)")
     try:
         ours_rows, llama, engines = bench_ours(models, FLAGS.repeats)
         width_recs = bench_widths(models, engines, ours_rows) if FLAGS.widths else []
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     from experiments.bandwidth import copy_bandwidth
 
     bw = copy_bandwidth()

@@ -17,10 +17,10 @@ not a speed-up; on GPUs or across hosts (`jax.distributed.initialize()` first, s
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags, logging
 
+from experiments.cli import fail
 from sharpi_jax.errors import SharpiError
 
 FLAGS = flags.FLAGS
@@ -50,8 +50,7 @@ def main(argv) -> int:
     try:
         ns = [int(n) for n in FLAGS.devices]
     except ValueError:
-        print(f"error: --devices must be integers, got {FLAGS.devices}", file=sys.stderr)
-        return 2
+        return fail(f"--devices must be integers, got {FLAGS.devices}")
     parallel.force_host_devices(max(ns))  # before jax starts: only the host (CPU) platform
     import jax
 
@@ -62,8 +61,7 @@ def main(argv) -> int:
         path = resolve_model(None if FLAGS.model == "default" else FLAGS.model)
         engines = [sj.load(path, max_context=FLAGS.max_context, expert_parallel=n) for n in ns]
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     ids = _prompt(engines[0], FLAGS.prompt_tokens)
     print(f"{path.name}: {engines[0].config.n_expert} experts per layer, {jax.device_count()} "
           f"{jax.default_backend()} devices")

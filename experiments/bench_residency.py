@@ -42,13 +42,13 @@ a warm-up; the smallest N where streaming's median process CPU time is lower is 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import fail
 from experiments.timing import interleaved, line_buffered, put_spread
 
 FLAGS = flags.FLAGS
@@ -355,8 +355,7 @@ def main(argv) -> int:
     try:
         path = None if FLAGS.lookahead else _model_path()
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     records = []
     out = Path(FLAGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,11 +27,11 @@ Timings only; nothing here is a test.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from absl import app, flags, logging
 
+from experiments.cli import fail
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread, spread
 
 FLAGS = flags.FLAGS
@@ -114,8 +114,7 @@ def main(argv) -> int:
         if not engine.config.has_mtp and not FLAGS.pass_only:
             raise sj.InputError(f"{path} has no MTP head")
     except (SharpiError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     ids, prompt_desc, prompt_text = _prompt(engine, path)
     records = []
     if widths:

@@ -27,6 +27,7 @@ import sys
 
 from absl import app, flags, logging
 
+from experiments.cli import fail
 from sharpi_jax.errors import InputError, SharpiError
 
 FLAGS = flags.FLAGS
@@ -92,8 +93,7 @@ def main(argv) -> int:
     import sharpi_jax as sj
 
     if FLAGS.compare and FLAGS.speculative is None:
-        print("error: --compare times MTP off against MTP: add --speculative=mtp", file=sys.stderr)
-        return 2
+        return fail("--compare times MTP off against MTP: add --speculative=mtp")
     compare = None
     parallel_info = _start_devices()
     try:
@@ -114,8 +114,7 @@ def main(argv) -> int:
                 engine.generate(_prompt(engine), dataclasses.replace(opts, max_new_tokens=2))
             out = engine.generate(_prompt(engine), opts)
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if parallel_info.get("process_id", 0) != 0:
         return 0  # every process computed the same tokens; process 0 prints them
     if FLAGS.json:

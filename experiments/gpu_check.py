@@ -17,10 +17,12 @@ On a machine without a GPU it prints one line saying so and exits 0. On a GPU:
 5. the MTP k = 3 pass: the time of one 4-row verify pass and of one decode step (experiments.pass_timing),
    and generate(speculative="mtp", draft_tokens=3) tok/s;
 6. logits agreement, pallas vs reference: relative L2 and max |diff| of the prompt's logits, argmax match;
-7. the residency path with a 25% expert budget (kernels="xla": the Pallas path reads whole expert stacks):
-   decode tok/s, hit rate and MiB streamed per token;
+7. the residency path under kernels="pallas" with a 25% expert budget, every policy x lookahead mode
+   (none / next_layer / both): decode and MTP k = 3 tok/s, hit rate, bytes moved per token (streamed,
+   host-read and fetched ahead) beside the measured host-to-device bandwidth, the tokens against the
+   all-resident run, and the staging memory kind;
 8. kernels="pallas" with expert parallelism over every visible GPU (2 or more): logits bitwise one GPU's,
-   decode and MTP k = 3 tok/s.
+   decode and MTP k = 3 tok/s; then with a per-device 25% budget as well: the same, plus bytes moved.
 """
 
 from __future__ import annotations
@@ -169,15 +171,49 @@ def run_check(path: Path) -> None:
     _expert_parallel_check(load, ids, say)
 
 
+def measured_h2d_gbs(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Host-to-device copy bandwidth in GB/s: median of `repeats` device_puts of an n_bytes numpy array."""
+    import jax
+
+    host = np.ones(n_bytes // 4, np.float32)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        jax.device_put(host).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return n_bytes / float(np.median(times[1:])) / 1e9
+
+
+def _budget_line(engine, ids: list[int], h2d_gbs: float, reference: list[int] | None) -> str:
+    """Decode and MTP k = 3 tok/s of a budgeted engine, its hit rate and bytes moved per token (and what
+    that costs at `h2d_gbs`), and whether its tokens are `reference`'s."""
+    gen = dict(max_new_tokens=FLAGS.decode_tokens, stop_on_eos=False)
+    engine.generate(ids, max_new_tokens=3), engine.generate(ids, max_new_tokens=4, speculative="mtp", draft_tokens=3)
+    off = [engine.generate(ids, **gen) for _ in range(FLAGS.repeats)]
+    mtp = [engine.generate(ids, **gen, speculative="mtp", draft_tokens=3) for _ in range(FLAGS.repeats)]
+    ex = off[-1].stats.experts
+    moved = ex["bytes_moved"] / max(1, ex["tokens"])
+    same = "" if reference is None else f"; tokens = all-resident's: {off[0].tokens == reference == mtp[0].tokens}"
+    return (f"decode {fmt_spread([o.stats.speed.decode_tok_s for o in off], digits=2)} tok/s, MTP k=3 "
+            f"{fmt_spread([o.stats.speed.decode_tok_s for o in mtp], digits=2)} tok/s, hit rate {ex['hit_rate']:.2f}, "
+            f"{moved / 2**20:.1f} MiB moved per token (= {moved / (h2d_gbs * 1e9) * 1e3:.2f} ms at the measured "
+            f"host-to-device {h2d_gbs:.1f} GB/s){same}")
+
+
 def _residency_check(load, ids: list[int], say) -> None:
-    """Step 7: decode with a residency budget (kernels="xla"), hit rate and MiB streamed per token."""
-    res = load(kernels="xla", expert_budget=FLAGS.expert_budget, expert_policy="lru")
-    res.generate(ids, max_new_tokens=3)
-    outs = [res.generate(ids, max_new_tokens=FLAGS.decode_tokens, stop_on_eos=False) for _ in range(FLAGS.repeats)]
-    ex = outs[-1].stats.experts
-    say(f"residency (kernels='xla', expert_budget={FLAGS.expert_budget}, lru): decode "
-        f"{fmt_spread([o.stats.speed.decode_tok_s for o in outs], digits=2)} tok/s, hit rate {ex['hit_rate']:.2f}, "
-        f"{ex['bytes_streamed_per_token'] / 2**20:.1f} MiB streamed per token")
+    """Step 7: kernels="pallas" with an expert budget, every policy x lookahead mode (`_budget_line`)."""
+    from sharpi_jax.experts.residency import POLICIES
+
+    h2d = measured_h2d_gbs()
+    gen = dict(max_new_tokens=FLAGS.decode_tokens, stop_on_eos=False)
+    full = load(kernels="pallas").generate(ids, **gen).tokens
+    for policy in POLICIES:
+        for lookahead in ("none", "next_layer", "both"):
+            e = load(kernels="pallas", expert_budget=FLAGS.expert_budget, expert_policy=policy,
+                     expert_lookahead=lookahead)
+            say(f"residency (kernels='pallas', expert_budget={FLAGS.expert_budget}, {policy}, lookahead {lookahead}): "
+                f"{_budget_line(e, ids, h2d, full)}; staging: {e.residency.streamer.staging_kind}")
+            e.close()
 
 
 def _expert_parallel_check(load, ids: list[int], say) -> None:
@@ -202,6 +238,11 @@ def _expert_parallel_check(load, ids: list[int], say) -> None:
         f"{fmt_spread([o.stats.speed.decode_tok_s for o in off], digits=2)} tok/s, MTP k=3 "
         f"{fmt_spread([o.stats.speed.decode_tok_s for o in mtp], digits=2)} tok/s; MTP tokens = MTP off's: "
         f"{mtp[0].tokens == off[0].tokens}")
+    par.close()
+    budget = load(kernels="pallas", expert_parallel=n, expert_budget=FLAGS.expert_budget, expert_policy="lru",
+                  expert_lookahead="both")
+    say(f"expert parallel x{n} with a per-device expert_budget={FLAGS.expert_budget} (lru, lookahead both): "
+        f"{_budget_line(budget, ids, measured_h2d_gbs(), off[0].tokens)}")
 
 
 def main(argv) -> int:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 
 from absl import app, flags
 
+from experiments.cli import fail
 from sharpi_jax.assets import default_model_path
 from sharpi_jax.errors import InputError, SharpiError
 from sharpi_jax.gguf import GGUFFile, read_model_config
@@ -110,8 +110,7 @@ def main(argv) -> int:
         path = FLAGS.gguf or default_model_path()
         d = describe(path)
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if FLAGS.json:
         if not FLAGS.tensors:
             d.pop("tensors")

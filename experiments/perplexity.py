@@ -45,6 +45,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from experiments.cli import fail
 from experiments.presets import HELD_OUT_SOURCES, REPO_ROOT, resolve_model
 
 FLAGS = flags.FLAGS
@@ -282,8 +283,7 @@ def main(argv):
             print(line, flush=True)
             del engine
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(fail(e))
     if FLAGS.llama_bin:
         llama = llama_side(paths, ref_path, text, ctx, FLAGS.chunks)
         print(f"\n{'file':<28} {'ours PPL':>10} {'llama PPL':>10} {'rel. diff':>10} {'ours KL':>10} "

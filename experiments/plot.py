@@ -26,6 +26,7 @@ from typing import Any
 
 from absl import app, flags
 
+from experiments.cli import fail
 from experiments.timing import spread
 
 FLAGS = flags.FLAGS
@@ -263,8 +264,7 @@ def main(argv) -> int:
     try:
         records = read_records(FLAGS.results)
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     out_dir = Path(FLAGS.out_dir or Path(FLAGS.results[0]).parent / "plots")
     written = plot_all(records, out_dir)
     if not written:

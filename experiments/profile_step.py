@@ -21,7 +21,6 @@ import gzip
 import json
 import re
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import fail
 from experiments.pass_timing import loop_pass, row_tokens
 from experiments.presets import resolve_model
 from experiments.timing import spread
@@ -105,18 +105,15 @@ def main(argv) -> int:
     from sharpi_jax.errors import SharpiError
 
     if FLAGS.rows < 1 or FLAGS.steps < 1 or FLAGS.prompt_tokens < 1:
-        print("error: --rows, --steps and --prompt_tokens must be at least 1", file=sys.stderr)
-        return 2
+        return fail("--rows, --steps and --prompt_tokens must be at least 1")
     if FLAGS.prompt_tokens + FLAGS.rows > FLAGS.max_context:
-        print(f"error: --prompt_tokens + --rows ({FLAGS.prompt_tokens + FLAGS.rows}) exceed --max_context "
-              f"({FLAGS.max_context})", file=sys.stderr)
-        return 2
+        return fail(f"--prompt_tokens + --rows ({FLAGS.prompt_tokens + FLAGS.rows}) exceed --max_context "
+                    f"({FLAGS.max_context})")
     try:
         path = resolve_model(FLAGS.model)
         engine = sj.load(path, max_context=FLAGS.max_context)
     except (SharpiError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     rt = engine.runtime
     ids = list(range(100, 100 + FLAGS.prompt_tokens))
     _, _, state = rt.prefill(rt.new_state(), ids)

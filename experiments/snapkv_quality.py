@@ -19,12 +19,12 @@ snapkv_quality_vs_budget.png.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import fail
 from experiments.presets import FIXTURES_DIR, resolve_model
 
 FLAGS = flags.FLAGS
@@ -128,8 +128,7 @@ def main(argv) -> int:
                 ids = engine.check_ids(ids[: FLAGS.max_context - FLAGS.new_tokens])
                 measure(engine, model, ids, budgets, emit)
     except (SharpiError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"wrote {len(records)} records to {out}")
     for p in plot_all(records, Path(FLAGS.plot_dir or out.parent / "plots")):
         print(f"wrote {p}")

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from absl import app, flags
 
+from experiments.cli import fail
 from experiments.presets import PYTHON_PROMPTS
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
 
@@ -246,8 +246,7 @@ def main(argv) -> int:
         records = run_sweep(cfg, out, log=(lambda *_: None) if FLAGS.quiet else (lambda m: print(m, flush=True)),
                             repeats=FLAGS.repeats)
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"wrote {len(records)} records to {out}")
     return 0
 

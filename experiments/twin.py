@@ -59,6 +59,7 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import fail
 from sharpi_jax.config import SHAPE_PRESETS, ModelConfig, shape_preset
 from sharpi_jax.errors import InputError, SharpiError
 from sharpi_jax.gguf import read_model_config
@@ -422,8 +423,7 @@ def main(argv) -> int:
         path = write_twin(source, FLAGS.out, shape, FLAGS.n_layer, FLAGS.qtype, FLAGS.pad_row,
                           progress=sys.stderr.isatty())
     except (SharpiError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     with GGUFFile(path) as f:
         c = read_model_config(f)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): twin of {source} at {FLAGS.shape} shapes, "

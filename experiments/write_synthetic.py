@@ -11,10 +11,9 @@ layers + MTP block. Synthetic models are never used for correctness.
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags
 
+from experiments.cli import fail
 from sharpi_jax.config import SHAPE_PRESETS, shape_preset
 from sharpi_jax.errors import SharpiError
 from sharpi_jax.testing import write_synthetic_gguf
@@ -35,8 +34,7 @@ def main(argv) -> int:
         path = write_synthetic_gguf(FLAGS.out, config, qtype=FLAGS.qtype, expert_qtype=FLAGS.expert_qtype,
                                     seed=FLAGS.seed, progress=True, name=f"synthetic-{FLAGS.preset}")
     except SharpiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 

@@ -120,15 +120,17 @@ class Engine:
         self.gguf = GGUFFile(path)  # kept open: raw expert views may alias the mmap
         self.config: ModelConfig = read_model_config(self.gguf)
         self.tokenizer = Tokenizer.from_gguf_fields(self.gguf.metadata, source=self.gguf.source)
-        self.residency = expert_residency.configure(self.gguf, self.config, residency)
         run = self.run_config
         self.matrix_format = MatrixFormat.for_run(run)
         _say_if_ggml_missing(run.kernels, self.matrix_format.backend)
         self.mesh = None  # the expert-parallel Mesh (expert_parallel=N), else one device
         if parallel is not None:
-            n = expert_parallelism.check_expert_parallel(parallel, self.config, expert_budget=residency)
-            self.mesh = expert_parallelism.expert_mesh(n)
-            self.experts = expert_parallelism.ShardedGGUFExperts(self.gguf, self.config, self.mesh, run)
+            self.mesh = expert_parallelism.expert_mesh(
+                expert_parallelism.check_expert_parallel(parallel, self.config))
+        self.residency = expert_residency.configure(self.gguf, self.config, residency, self.mesh)
+        if self.mesh is not None:
+            self.experts = expert_parallelism.ShardedGGUFExperts(self.gguf, self.config, self.mesh, run,
+                                                                 self.residency)
         else:
             self.experts = GGUFExperts(self.gguf, self.config, run, self.residency) if self.config.is_moe else None
         self.model = load_model(self.gguf, self.config, self.experts, progress=progress, run=run)
@@ -583,7 +585,7 @@ def load(path: str | os.PathLike[str] | None = None, *, max_context: int = 4096,
     (routed experts kept on the device within a budget, cold ones streamed from the file; None: all
     resident). parallel=N: shard the routed experts by expert id over a Mesh of the first N devices (all
     hosts' after `jax.distributed.initialize()`), dense weights replicated; logits bitwise those of one
-    device (`sharpi_jax.experts.parallel`; any kernel backend); not with a residency budget yet. kv: a
+    device (`sharpi_jax.experts.parallel`; any kernel backend); with a residency, its budget is per device. kv: a
     `SnapKV`, the default KV eviction of `Engine.generate` (None: none). progress: a tqdm bar (default:
     files >= 256 MiB).
 

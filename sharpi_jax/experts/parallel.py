@@ -49,11 +49,12 @@ from sharpi_jax.gguf.tensor_specs import expert_qtypes, expert_raw
 EXPERT_AXIS = "expert"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
-__all__ = ["EXPERT_AXIS", "ShardedExperts", "ShardedGGUFExperts", "check_expert_parallel", "device_bytes",
+__all__ = ["EXPERT_AXIS", "ShardedExperts", "ShardedGGUFExperts", "assemble_on_mesh", "check_expert_parallel",
+           "device_bytes",
            "expert_mesh", "force_host_devices", "is_routed_expert", "replicate_dense", "sharded_expert_rows"]
 
 
-def check_expert_parallel(n: Any, config: ModelConfig, *, expert_budget: Any = None) -> int:
+def check_expert_parallel(n: Any, config: ModelConfig) -> int:
     """Validates `expert_parallel=n` for a model -> n as an int (InputError naming the problem)."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise InputError(f"expert_parallel must be a positive integer (devices on the expert axis), got {n!r}")
@@ -62,9 +63,6 @@ def check_expert_parallel(n: Any, config: ModelConfig, *, expert_budget: Any = N
         raise InputError(f"expert_parallel={n}: the {config.arch} model has no routed experts to shard")
     if config.n_expert % n:
         raise InputError(f"expert_parallel={n} does not divide the {config.n_expert} experts per layer")
-    if expert_budget is not None:
-        raise InputError("expert_parallel with an expert_budget is not supported yet (per-device budgets): "
-                         "use one of them")
     available = len(jax.devices())
     if n > available:
         raise InputError(f"expert_parallel={n} needs {n} devices, jax sees {available} ({jax.default_backend()}); "
@@ -145,6 +143,23 @@ def _assemble(parts: dict[Any, jax.Array], global_lead: int, sharding: NamedShar
                                                                       if d in parts])
 
 
+def assemble_on_mesh(parts: list, mesh: Mesh) -> Any:
+    """One value per device of the expert axis (numpy arrays, or QTensor stacks of one layout) -> one
+    global value sharded on axis 0 over `mesh`: QTensor stacks concatenated on their expert axis,
+    arrays stacked on a new leading axis (each device's own small state)."""
+    sharding = NamedSharding(mesh, P(EXPERT_AXIS))
+    devices = list(mesh.devices.flat)
+    if isinstance(parts[0], QTensor):
+        first = parts[0]
+        data = {k: _assemble({d: jax.device_put(p.data[k], d) for d, p in zip(devices, parts)
+                              if d in sharding.addressable_devices},
+                             len(parts) * first.data[k].shape[0], sharding) for k in first.data}
+        return QTensor(data, first.qtype, (len(parts) * first.shape[0],) + tuple(first.shape[1:]), first.layout,
+                       first.backend)
+    host = np.stack([np.asarray(p) for p in parts])
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_expert_stack(raw: np.ndarray, fmt: ExpertFormat, which: str, mesh: Mesh) -> QTensor:
     """GGUF bytes [E, rows, row bytes] of an expert matrix -> its QTensor stack (`ExpertFormat.pack`)
     sharded by expert over `mesh`: each addressable device lays out and holds only its experts."""
@@ -163,14 +178,16 @@ def shard_expert_stack(raw: np.ndarray, fmt: ExpertFormat, which: str, mesh: Mes
 class ShardedGGUFExperts(GGUFExperts):
     """The routed experts of an open GGUF sharded by expert id over `mesh` (`model.weights.ExpertLoader`)."""
 
-    def __init__(self, f: GGUFFile, config: ModelConfig, mesh: Mesh, run: RunConfig = RunConfig()):
-        super().__init__(f, config, run, residency=None)
+    def __init__(self, f: GGUFFile, config: ModelConfig, mesh: Mesh, run: RunConfig = RunConfig(),
+                 residency: Any = None):
+        """residency: a `residency.Residency` planned per device on `mesh` (a per-device expert budget):
+        the layers it manages get each device's slots of its own experts; the others whole shards."""
+        super().__init__(f, config, run, residency=residency)
         self.mesh = mesh
 
-    def modules(self) -> Callable[[int], nnx.Module]:
+    def _whole(self, layer: int) -> nnx.Module:
         c = self.config
-        return lambda layer: ShardedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer),
-                                            self.mesh, self.run)
+        return ShardedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer), self.mesh, self.run)
 
     def _stack(self, layer: int, which: str) -> QTensor:
         return shard_expert_stack(expert_raw(self.gguf, layer, which), self.format(layer), which, self.mesh)

@@ -89,7 +89,6 @@ class GGUFExperts:
 
     def modules(self) -> Callable[[int], nnx.Module]:
         """A factory for one model build (layers of one build share the residency's staging buffers)."""
-        c = self.config
         shared: dict = {}
 
         def make(layer: int) -> nnx.Module:
@@ -97,9 +96,14 @@ class GGUFExperts:
                 m = self.residency.experts_module(layer, self.run, shared)
                 if m is not None:
                     return m
-            return RoutedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer), self.run)
+            return self._whole(layer)
 
         return make
+
+    def _whole(self, layer: int) -> nnx.Module:
+        """The module of a layer whose every expert is held (no residency, or a layer it leaves alone)."""
+        c = self.config
+        return RoutedExperts(c.n_expert, c.d_model, c.expert_ff, expert_qtypes(self.gguf, layer), self.run)
 
     def format(self, layer: int) -> ExpertFormat:
         """How layer `layer`'s expert stacks are held."""

@@ -16,11 +16,11 @@ of >= 2 rows) on the XLA:CPU backend, so on a CPU device they equal the device r
 XLA:CPU and are not bitwise the GPU's (use `cold="stream"` there for bit parity).
 
 Pinned host memory: the staging buffers are reused numpy arrays (the CPU backend copies a callback's
-result into its own buffer, so reuse is safe; tests check it). The CPU backend lists a
-"pinned_host" memory kind, but there device memory *is* host memory and a transfer is a memcpy, so
-nothing is gained by pinning; on a GPU backend, page-locking these buffers (cudaHostRegister) is
-what a pinned staging area needs, and JAX has no public API to register an existing numpy buffer:
-`staging_memory_kind()` says which case applies. Not measured on a GPU (none here).
+result into its own buffer, so reuse is safe; tests check it), one set per device of an expert axis
+(the devices call at once). JAX has no public API to page-lock an existing numpy buffer, so the pinned
+path is not this module: `expert_store="pinned_host"` keeps every expert laid out in JAX's
+"pinned_host" memory and moves misses inside the step with no callback (`residency.slots`, the
+default on a GPU). `staging_memory_kind()` says what this callback's staging is on this backend.
 
 Prefetch: after serving layer l, `madvise(WILLNEED)` is issued on the byte ranges of the next MoE
 layer's likely cold experts: its most frequent non-pinned experts from calibrated counts (when the
@@ -119,8 +119,9 @@ class Streamer:
         self.layers = tuple(layers)
         self.sources = {i: LayerSource(f, i, d_model, d_ff) for i in self.layers}
         self._next = {a: b for a, b in zip(self.layers, self.layers[1:])}
-        self._staging: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-        self._ahead: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}  # lookahead fetches' buffers
+        # Host buffers by (layer, experts, device): reused across calls (see the module doc).
+        self._staging: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
+        self._ahead: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}  # lookahead fetches' buffers
         self._last_miss: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self.prefetch_experts = int(prefetch_experts)
@@ -156,17 +157,18 @@ class Streamer:
             return {k: dict(v) for k, v in self.stats.items()}
 
     # ----- the callback -----
-    def _buffers(self, layer: int, n: int) -> tuple[np.ndarray, ...]:
-        key = (layer, n)
+    def _buffers(self, layer: int, n: int, device: int = 0) -> tuple[np.ndarray, ...]:
+        key = (layer, n, device)
         if key not in self._staging:
             src = self.sources[layer]
             self._staging[key] = tuple(np.zeros((n,) + v.shape[1:], np.uint8) for v in src.views)
         return self._staging[key]
 
     def serve(self, layer: int, n_stage: int, with_host: bool, row_kernel: str, stream_ids, host_ids, u, sel,
-              valid):
+              valid, device=0):
         """Stream `stream_ids` (>= 0; -1 pads) into staging, host-compute the pairs of `host_ids` (with
-        the device's row kernel, `RunConfig.row_kernel`).
+        the device's row kernel, `RunConfig.row_kernel`). device: the calling device's index on the
+        expert axis (expert parallelism: the devices call at once, each into its own staging buffers).
 
         Returns (gate, up, down raw staging [n_stage, ...]) if n_stage, then y_host f32 [N, k, D]
         if with_host (pairs of valid rows whose expert is in host_ids; zeros elsewhere: padding
@@ -179,7 +181,7 @@ class Streamer:
         hosted = host_ids[host_ids >= 0].astype(np.int64)
         out: list[np.ndarray] = []
         if n_stage:
-            bufs = self._buffers(layer, n_stage)
+            bufs = self._buffers(layer, n_stage, int(device))
             for j, e in enumerate(streamed):
                 for buf, view in zip(bufs, src.views):
                     buf[j] = view[e]
@@ -209,16 +211,18 @@ class Streamer:
             s["host_pairs"][layer] += n_pairs
         return tuple(out)
 
-    def fetch(self, layer: int, n: int, ids):
+    def fetch(self, layer: int, n: int, ids, device=0):
         """Lookahead (`residency.lookahead`): the raw bytes of experts `ids` (>= 0; -1 pads) of a layer,
-        fetched before its call asks for them -> (gate, up, down) [n, ...]; counted apart from demand."""
+        fetched before its call asks for them -> (gate, up, down) [n, ...]; counted apart from demand.
+        device: as in `serve` (each device's fetches have their own buffers)."""
         t0 = time.perf_counter()
         src = self.sources[layer]
         ids = np.asarray(ids)
         got = ids[ids >= 0].astype(np.int64)
-        if (layer, n) not in self._ahead:  # its own buffers: a demand call's staging may be in flight
-            self._ahead[(layer, n)] = tuple(np.zeros((n,) + v.shape[1:], np.uint8) for v in src.views)
-        bufs = self._ahead[(layer, n)]
+        key = (layer, n, int(device))
+        if key not in self._ahead:  # its own buffers: a demand call's staging may be in flight
+            self._ahead[key] = tuple(np.zeros((n,) + v.shape[1:], np.uint8) for v in src.views)
+        bufs = self._ahead[key]
         for j, e in enumerate(got):
             for buf, view in zip(bufs, src.views):
                 buf[j] = view[e]

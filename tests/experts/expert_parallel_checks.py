@@ -8,7 +8,8 @@ Every file: logits bitwise and the bytes each device holds; the files in --gener
 MTP (batched verify, MTP_DRAFTS drafts; chain and tree, and the chain and the tree over a SnapKV-evicted
 cache next to one device's chain) tokens over --new_tokens tokens (EOS ignored) and teacher-forced MTP logits (each file
 compiles its own graphs: these checks cost ~4x the logits check). --hlo=FILE: the collectives of the
-compiled expert-parallel MoE layer and trunk pass.
+compiled expert-parallel MoE layer and trunk pass. --budget=FILE: expert parallelism over 2 devices
+with a per-device expert budget (`check_budget`, the --budget_configs given, "policy/lookahead[/kernels]").
 """
 
 from __future__ import annotations
@@ -164,15 +165,72 @@ def check_pallas(path: str, n: int, prompt: str) -> dict:
     out["mtp_one"], out["mtp_parallel"] = one.generate(ids, **gen).tokens, par.generate(ids, **gen).tokens
     out["expert_backends"] = sorted({v["backend"] for k, v in par.matrix_backends.items() if ".experts." in k})
     rt = par.runtime
+    state, rows = rt.new_state(), np.zeros((MTP_DRAFTS + 1,), np.int32)
+    snaps = jax.eval_shape(lambda s: rt._fns.verify(rt.params, rt.cache, s, rows, np.int32(0),  # pylint: disable=protected-access
+                                                    np.int32(len(rows)))[0].snaps, state)
     cpu_backend, jax.default_backend = jax.default_backend, lambda: "gpu"  # trace as on a GPU: the Pallas
     try:                                                                    # kernels leave interpret mode
-        text = rt._fns.decode.trace(rt.params, rt.cache, rt.new_state(), np.int32(1), np.int32(0)).lower(
+        text = rt._fns.decode.trace(rt.params, rt.cache, state, np.int32(1), np.int32(0)).lower(
             lowering_platforms=("cuda",)).as_text()
+        verify = rt._fns.commit_verify.trace(rt.params, rt.cache, state, snaps, np.int32(0), rows, np.int32(0),
+                                             np.int32(len(rows))).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         jax.default_backend = cpu_backend  # the next checks run on the CPU again ("auto" = ggml)
     out["cuda_triton_calls"] = text.count("__gpu$xla.gpu.triton")
     out["cuda_all_reduces"] = text.count("all_reduce")
+    out["cuda_verify_triton_calls"] = verify.count("__gpu$xla.gpu.triton")
+    out["cuda_verify_all_reduces"] = verify.count("all_reduce")
     out["moe_layers"] = sum(b.is_moe for b in par.model.layers)
+    return out
+
+
+BUDGET_DEVICES = 2
+BUDGET = "30%"  # of each device's expert bytes: some of every device's pairs miss
+
+
+def check_budget(path: str, prompt: str, configs: list[str]) -> dict:
+    """expert_parallel=2 with a per-device budget against one device with every expert resident, per
+    config "policy/lookahead[/kernels]": prefill logits bitwise, greedy and MTP chain tokens equal, the
+    hit rate (below 1: experts were streamed or host-computed), the devices whose host buffers were
+    filled (each device streams its own misses), and each device's routed-expert bytes against the plan
+    and the budget (its slots, staging and lookahead buffer; its small state arrays apart)."""
+    import jax
+    import numpy as np
+
+    import sharpi_jax as sj
+    from tests.bitwise import bitwise_equal
+
+    out: dict = {}
+    refs: dict = {}
+    for config in configs:
+        policy, lookahead, *kernels = config.split("/")
+        load = dict(max_context=64, **({"kernels": kernels[0]} if kernels else {}))
+        if tuple(kernels) not in refs:
+            one = sj.load(path, **load)
+            ids = one.tokenizer.encode(prompt)
+            gen = dict(max_new_tokens=16, stop_on_eos=False)
+            refs[tuple(kernels)] = (ids, np.asarray(one.logits(ids)), one.generate(ids, **gen).tokens)
+        ids, logits, greedy = refs[tuple(kernels)]
+        par = sj.load(path, **load, expert_parallel=BUDGET_DEVICES, expert_budget=BUDGET, expert_policy=policy,
+                      expert_lookahead=lookahead)
+        r = {"logits_bitwise": bool(bitwise_equal(par.logits(ids), logits))}
+        g = par.generate(ids, max_new_tokens=16, stop_on_eos=False)
+        r["greedy_equal"], r["hit_rate"] = g.tokens == greedy, g.stats.experts["hit_rate"]
+        mtp = par.generate(ids, max_new_tokens=16, stop_on_eos=False, speculative="mtp", draft_tokens=MTP_DRAFTS)
+        r["mtp_equal"], r["mtp_accepted"] = mtp.tokens == greedy, mtp.stats.speculation.accepted
+        streamer = par.residency.streamer
+        r["buffer_devices"] = sorted({key[2] for key in list(streamer._staging) + list(streamer._ahead)})  # pylint: disable=protected-access
+        per_device: dict = {}
+        for path_, arr in par.runtime.expert_cache_arrays().items():
+            if path_[4] in ("gate", "up", "down", "staged", "ahead") and path_[-1] in ("gate", "up", "down"):
+                for leaf in jax.tree.leaves(arr):
+                    for shard in leaf.addressable_shards:
+                        per_device[str(shard.device)] = per_device.get(str(shard.device), 0) + shard.data.nbytes
+        r["expert_bytes"] = [per_device[k] for k in sorted(per_device)]
+        r["plan_bytes"], r["budget"] = par.residency.plan.device_bytes, par.residency.plan.budget
+        r["backends"] = sorted({v["backend"] for k, v in par.matrix_backends.items() if ".experts." in k})
+        out[config] = r
+        par.close()
     return out
 
 
@@ -185,6 +243,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dispatch", action="store_true", help="also run `check_dispatch`")
     parser.add_argument("--hlo", default=None, help="a file whose compiled collectives `check_hlo` reports")
     parser.add_argument("--pallas", default=None, help="a file `check_pallas` runs (kernels='pallas')")
+    parser.add_argument("--budget", default=None, help="a file `check_budget` runs (expert_parallel=2 + budget)")
+    parser.add_argument("--budget_configs", default="lru/none,frequency/both",
+                        help="comma-separated policy/lookahead[/kernels] for --budget")
     parser.add_argument("files", nargs="*")
     args = parser.parse_args(argv)
     _force_devices(args.devices)
@@ -194,6 +255,9 @@ def main(argv: list[str]) -> None:
         print(json.dumps({"hlo": check_hlo(args.hlo, args.devices)}), flush=True)
     if args.pallas:
         print(json.dumps({"pallas": check_pallas(args.pallas, args.devices, args.prompt)}), flush=True)
+    if args.budget:
+        print(json.dumps({"budget": check_budget(args.budget, args.prompt, args.budget_configs.split(","))}),
+              flush=True)
     generate = set(args.generate)
     for path in args.files:
         print(json.dumps(check_file(path, args.devices, args.prompt, args.new_tokens, path in generate)), flush=True)

@@ -64,11 +64,15 @@ def _run_checks(args: list[str]) -> list[dict]:
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
 
-def _jobs(generate: list) -> list[list[str]]:
+def _jobs(generate: list, budget: list[str] = ()) -> list[list[str]]:
     """Two subprocess argument lists of about equal cost (a file with generation checks costs ~4 logits-only
-    files; the dispatch check ~1)."""
+    files; the dispatch check ~1; a budget config ~2)."""
     options, files, costs = [["--dispatch", f"--hlo={_path(HLO_FILE)}"], [f"--pallas={_path(PALLAS_FILE)}"]], \
         [[], []], [2, 3]
+    if budget:
+        i = costs.index(min(costs))
+        options[i] += [f"--budget={_path(BUDGET_FILE)}", f"--budget_configs={','.join(budget)}"]
+        costs[i] += 2 * len(budget)
     for f in sorted(MOE_FILES, key=lambda f: f not in generate):
         i = costs.index(min(costs))
         options[i] += [f"--generate={_path(f)}"] if f in generate else []
@@ -80,6 +84,12 @@ def _jobs(generate: list) -> list[list[str]]:
 MULTIHOST = ("tiny-qwen35moe", "Q4_K_M")
 HLO_FILE = ("tiny-qwen35moe", "Q4_K_M")  # a GENERATE_FAST file: its one-device greedy tokens are the reference
 PALLAS_FILE = ("tiny-qwen35moe", "Q8_0")  # every matrix has a Pallas kernel (Q4_K_M's MTP block has Q5_0)
+BUDGET_FILE = ("tiny-qwen35moe", "Q8_0")
+# expert_parallel=2 with a per-device budget: "policy/lookahead[/kernels]". Fast: the ring with prefetch
+# and host compute, and the Pallas kernels; slow: every policy with every lookahead, the buffer's too.
+BUDGET_FAST = ["frequency/both", "lru/none/pallas"]
+BUDGET_SLOW = [f"{p}/{look}" for p in ("static", "frequency", "lru", "slru")
+               for look in ("none", "next_layer", "pass", "both")] + ["slru/both/pallas", "static/next_layer/pallas"]
 
 
 def _free_port() -> int:
@@ -106,21 +116,22 @@ def _run_two_processes() -> list[subprocess.CompletedProcess]:
     return out
 
 
-def _results(generate: list, multihost: bool = False) -> dict:
+def _results(generate: list, multihost: bool = False, budget: list[str] = ()) -> dict:
     with ThreadPoolExecutor(3) as pool:
         two = pool.submit(_run_two_processes) if multihost else None
-        lines = [ln for out in pool.map(_run_checks, _jobs(generate)) for ln in out]
+        lines = [ln for out in pool.map(_run_checks, _jobs(generate, budget)) for ln in out]
         by_file = {ln["file"]: ln for ln in lines if "file" in ln}
         by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
         by_file["hlo"] = next(ln["hlo"] for ln in lines if "hlo" in ln)
         by_file["pallas"] = next(ln["pallas"] for ln in lines if "pallas" in ln)
+        by_file["budget"] = next((ln["budget"] for ln in lines if "budget" in ln), {})
         by_file["multihost"] = two.result() if two else None
     return by_file
 
 
 @pytest.fixture(scope="module")
 def results():
-    return _results(GENERATE_FAST, multihost=True)
+    return _results(GENERATE_FAST, multihost=True, budget=BUDGET_FAST)
 
 
 def _name(f) -> str:
@@ -218,16 +229,21 @@ def test_expert_parallel_errors_name_the_problem():
         parallel.check_expert_parallel(2, _config("tiny-qwen35", "Q8_0"))
     with pytest.raises(InputError, match="does not divide the 16 experts"):
         parallel.check_expert_parallel(3, moe)
-    with pytest.raises(InputError, match="expert_budget is not supported yet"):
-        parallel.check_expert_parallel(1, moe, expert_budget="50%")
     with pytest.raises(InputError, match="xla_force_host_platform_device_count"):
         parallel.check_expert_parallel(16, moe)
 
 
-def test_load_rejects_expert_parallel_with_a_budget():
+def test_expert_parallel_with_a_budget_on_one_device_is_the_budget_run():
+    """expert_parallel=1 with a budget (in-process: one device) streams as the budget alone does: same
+    tokens as every expert resident, same hit rate and bytes streamed as without expert_parallel."""
     path = fixture_path("tiny-qwen35moe", "tiny-qwen35moe-Q8_0.gguf")
-    with pytest.raises(InputError, match="expert_budget is not supported yet"):
-        sj.load(path, max_context=16, expert_parallel=1, expert_budget="50%", expert_policy="static")
+    load = dict(max_context=32, expert_budget="30%", expert_policy="lru")
+    par, alone, full = sj.load(path, **load, expert_parallel=1), sj.load(path, **load), sj.load(path, max_context=32)
+    gen = dict(max_new_tokens=8, stop_on_eos=False)
+    a, b = par.generate(PROMPT, **gen), alone.generate(PROMPT, **gen)
+    assert a.tokens == b.tokens == full.generate(PROMPT, **gen).tokens
+    assert a.stats.experts["hit_rate"] == b.stats.experts["hit_rate"] < 1.0
+    assert a.stats.experts["bytes_streamed"] == b.stats.experts["bytes_streamed"] > 0
 
 
 def test_pallas_logits_bitwise_equal_one_device(results):
@@ -240,7 +256,33 @@ def test_pallas_logits_bitwise_equal_one_device(results):
 
 
 def test_pallas_sharded_decode_step_lowers_for_cuda(results):
-    """The sharded decode step lowered for CUDA: Triton kernels, and one all-reduce per MoE layer."""
+    """The sharded decode step and MTP verify pass (k + 1 rows) lowered for CUDA: Triton kernels, and one
+    all-reduce per MoE layer."""
     r = results["pallas"]
     assert r["cuda_triton_calls"] >= 2 * r["moe_layers"]  # at least the grouped matmul and the reduce
     assert r["cuda_all_reduces"] == r["moe_layers"]
+    assert r["cuda_verify_triton_calls"] >= 2 * r["moe_layers"]
+    assert r["cuda_verify_all_reduces"] == r["moe_layers"]
+
+
+def _check_budget(r: dict) -> None:
+    """Logits bitwise, greedy and MTP tokens those of one device with every expert resident, while some
+    pairs missed (hit rate < 1) and both devices filled host buffers with their own cold experts; each
+    device holds the routed-expert bytes its plan says, within its budget."""
+    assert r["logits_bitwise"] and r["greedy_equal"] and r["mtp_equal"] and r["mtp_accepted"] > 0
+    assert r["hit_rate"] < 1.0 and r["buffer_devices"] == [0, 1]
+    assert r["expert_bytes"] == [r["plan_bytes"]] * 2 and r["plan_bytes"] <= r["budget"]
+
+
+@pytest.mark.parametrize("config", BUDGET_FAST)
+def test_per_device_budget_gives_one_devices_tokens(results, config):
+    _check_budget(results["budget"][config])
+    assert results["budget"][config]["backends"] == (["pallas"] if config.endswith("/pallas") else ["ggml"])
+
+
+@pytest.mark.slow
+def test_per_device_budget_every_policy_and_lookahead():
+    out = _run_checks([f"--budget={_path(BUDGET_FILE)}", f"--budget_configs={','.join(BUDGET_SLOW)}"])
+    (line,) = [ln["budget"] for ln in out if "budget" in ln]
+    for config in BUDGET_SLOW:
+        _check_budget(line[config])

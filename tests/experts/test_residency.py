@@ -92,7 +92,7 @@ def _check_engine(path: str, frac: float, policy: str, **options):
     staging = e.residency.resident_bytes(e.runtime, "staging")
     assert resident == plan.slot_bytes and staging <= plan.staging_bytes
     assert resident + staging <= budget
-    for (_, n), bufs in e.residency.streamer._staging.items():  # pylint: disable=protected-access
+    for (_, n, _), bufs in e.residency.streamer._staging.items():  # pylint: disable=protected-access
         assert n <= plan.staging
     _check_slots(e)
     return e, st
@@ -216,3 +216,30 @@ def test_minimum_budget_runs(synth_dir):
     assert_bitwise_equal(_trace(e, _prompt(e)), ref)
     st = e.expert_stats()
     assert st["hit_rate"] == 0.0 and st["bytes_streamed"] > 0 and st["experts_host_computed"] > 0
+
+
+@pytest.mark.parametrize("policy", ["frequency", "static", "lru"])
+def test_device_plans_share_one_geometry_and_hold_their_own_experts(policy):
+    """Expert parallelism's per-device plans (`plan.device_plans`, 2 devices of the 16-expert fixture):
+    one slot geometry for both (one program runs on every device), each within the per-device budget
+    against its own 8 experts, and each device's slots start with its own experts in its own count
+    order (random calibrated counts: the reference is numpy's sort of that device's slice)."""
+    f = GGUFFile(fixture_path("tiny-qwen35moe", "tiny-qwen35moe-Q8_0.gguf"))
+    c = read_model_config(f)
+    local = residency.device_config(c, 2)
+    assert (local.n_expert, local.n_expert_used) == (c.n_expert // 2, min(c.n_expert_used, c.n_expert // 2))
+    rng = np.random.default_rng(0)
+    counts = {i: rng.integers(0, 1000, c.n_expert) for i in range(c.n_layer)}
+    budget = residency.parse_expert_budget("40%", f, local)
+    plans = residency.device_plans(f, c, 2, budget, policy, counts)
+    assert len(plans) == 2
+    geometry = lambda p: {i: (s.n_slots, s.n_ring, s.staging, s.buffer, s.n_expert) for i, s in p.layers.items()}  # noqa: E731
+    assert geometry(plans[0]) == geometry(plans[1])
+    for d, p in enumerate(plans):
+        assert p.device_bytes <= budget == p.budget
+        for i, s in p.layers.items():
+            assert s.n_expert == 8 and 0 < s.n_slots < 8
+            own = np.asarray(counts[i][d * 8:(d + 1) * 8])
+            by_counts = residency.slot_policy(policy).ordered_by_counts
+            want = np.argsort(-own, kind="stable")[:s.n_slots] if by_counts else np.arange(s.n_slots)
+            assert list(s.resident) == [int(e) for e in want]

@@ -32,6 +32,7 @@ def _load(**kw):
     ("expert_stream_min_rows", "8"), ("expert_stream_min_rows", -3),
     ("expert_ring", "half"), ("expert_ring", math.nan), ("expert_ring", 1.5), ("expert_ring", True),
     ("expert_cold", "warm"), ("expert_cold", ["host"]), ("expert_cold", np.array(["host", "stream"])),
+    ("expert_store", "pinned"), ("expert_store", ["pinned_host"]),
     ("expert_counts", 3), ("expert_counts", b"counts.json"), ("expert_counts", "bad\0name"),
     ("expert_counts", ""), ("device_budget", "1GiB"), ("device_budget", -1),
 ])

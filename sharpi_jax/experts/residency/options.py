@@ -20,12 +20,17 @@ from sharpi_jax.experts.residency.policies import POLICIES
 from sharpi_jax.experts.streaming import COLD_MODES
 
 OPTION_NAMES = ("expert_counts", "expert_staging", "expert_ring", "expert_cold", "expert_stream_min_rows",
-                "expert_prefetch", "expert_lookahead", "expert_lookahead_buffer", "device_budget")
+                "expert_prefetch", "expert_lookahead", "expert_lookahead_buffer", "expert_store", "device_budget")
 # expert_lookahead: what residency fetches ahead of need (see `lookahead`): nothing, layer L+1's predicted
 # experts while layer L runs, a verify pass's union streamed and kept for the pass, or both.
 LOOKAHEAD_MODES = ("none", "next_layer", "pass", "both")
 # expert_lookahead_buffer (experts, with "next_layer" / "both"): the predicted experts go to one buffer
 # shared by the layers, charged to the budget once (`plan`); 0 or None: into each layer's ring.
+# expert_store: where cold experts come from (`slots`): "callback" (the mmap's GGUF bytes through a host
+# callback, laid out on the device per call), "pinned_host" (every expert of a managed layer laid out once
+# at load into host memory of JAX's "pinned_host" kind, sliced and moved to the device inside the step:
+# no callback, no per-step re-layout), "auto" (pinned_host on a GPU backend, callback elsewhere).
+STORE_MODES = ("auto", "pinned_host", "callback")
 
 
 def _is_int(v: Any) -> bool:
@@ -79,6 +84,8 @@ def check_options(options: Mapping[str, Any]) -> dict[str, Any]:
         _choice("expert_lookahead", out["expert_lookahead"], LOOKAHEAD_MODES)
     if out["expert_cold"] is not None:
         _choice("expert_cold", out["expert_cold"], COLD_MODES)
+    if out["expert_store"] is not None:
+        _choice("expert_store", out["expert_store"], STORE_MODES)
     counts = out["expert_counts"]
     if counts is not None and not isinstance(counts, (Mapping, str, os.PathLike)):
         raise InputError(f"expert_counts must be a dict {{layer: [counts]}} or a JSON path, got "
@@ -104,7 +111,8 @@ class ExpertResidency:
     stream_min_rows: rows from which a cold expert is streamed rather than host-computed. prefetch:
     experts madvise'd ahead per layer. lookahead: "none" | "next_layer" | "pass" | "both" (experts
     fetched into slots before a call needs them). lookahead_buffer: experts in one buffer shared by the
-    layers for the predicted experts (0 / None: each layer's ring)."""
+    layers for the predicted experts (0 / None: each layer's ring). store: where streamed experts come
+    from, "auto" | "pinned_host" | "callback" (`STORE_MODES`; default "auto")."""
 
     budget: Any = None
     policy: str = "frequency"
@@ -117,6 +125,7 @@ class ExpertResidency:
     prefetch: int | None = None
     lookahead: str | None = None
     lookahead_buffer: int | None = None
+    store: str | None = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy)

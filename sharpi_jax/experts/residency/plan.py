@@ -78,6 +78,7 @@ class LayerSpec:
     policy: str
     lookahead: str = "none"  # `lookahead.LOOKAHEAD_MODES`
     buffer: int = 0  # experts in the shared lookahead buffer (0: fetched-ahead experts go to the ring)
+    store: str = "callback"  # where streamed experts come from: "callback" | "pinned_host" (`options`)
 
     @property
     def n_slots(self) -> int:
@@ -174,7 +175,7 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
                    counts: Mapping[int, Sequence[int]] | None = None, *, counts_source: str | None = None,
                    staging: int | None = None, ring: float | None = None, cold: str | None = None,
                    stream_min_rows: int | None = None, lookahead: str | None = None,
-                   lookahead_buffer: int | None = None) -> ResidencyPlan:
+                   lookahead_buffer: int | None = None, store: str = "callback") -> ResidencyPlan:
     """Place experts into per-layer slots within `expert_budget` bytes (see the module doc)."""
     lookahead, buffer = _checked_lookahead(lookahead, lookahead_buffer)
     if policy not in POLICIES:
@@ -226,7 +227,7 @@ def plan_residency(f: GGUFFile, c: ModelConfig, expert_budget: int, policy: str 
         specs[i] = LayerSpec(layer=i, n_expert=E, top_k=k, d_model=c.d_model, d_ff=c.expert_ff, qtypes=geo[i][0],
                              resident=tuple(order[:n]), n_ring=n_ring, bytes_per_expert=bpe[i], staging=staging,
                              cold=cold, stream_min_rows=smr, policy=policy, lookahead=lookahead,
-                             buffer=buffer)
+                             buffer=buffer, store=store)
     plan = ResidencyPlan(policy, budget, staging, specs, total, min_budget, counts_source, buffer)
     assert plan.device_bytes <= budget or full, "planner exceeded the budget"
     return plan
@@ -383,3 +384,38 @@ def budget_for_fraction(f: GGUFFile, config: ModelConfig, frac: float) -> int:
 def minimum_budget(f: GGUFFile, config: ModelConfig) -> int:
     """One layer's top-k of staging per expert block-type mix (see the module doc)."""
     return config.n_expert_used * sum(dict(layer_geometry(f, config).values()).values())
+
+
+def device_config(c: ModelConfig, n_dev: int) -> ModelConfig:
+    """The model as one device of an n_dev expert axis sees its routed experts (expert parallelism): its
+    E / n_dev experts, and a top-k of at most that (all of a token's experts may be one device's). What
+    a per-device budget is planned, parsed ("25%": of the device's expert bytes) and checked against."""
+    if n_dev == 1:
+        return c
+    e_local = c.n_expert // n_dev
+    return dataclasses.replace(c, n_expert=e_local, n_expert_used=min(c.n_expert_used, e_local))
+
+
+def device_plans(f: GGUFFile, c: ModelConfig, n_dev: int, expert_budget: int, policy: str = "frequency",
+                 counts: Mapping[int, Sequence[int]] | None = None, **options: Any) -> list[ResidencyPlan]:
+    """One plan per device of an n_dev expert axis, each within `expert_budget` bytes of the device's own
+    experts (`device_config`; counts: over all E experts, as calibrated). The devices run one program,
+    so they share one slot geometry (slots, ring, staging and buffer per layer), planned on the sum of
+    the devices' count profiles (each device's counts sorted, summed rank by rank); each device's slots
+    start with its own experts in its own count order. One device: `plan_residency` as it is."""
+    if n_dev == 1:
+        return [plan_residency(f, c, expert_budget, policy, counts, **options)]
+    local = device_config(c, n_dev)
+    e_local = local.n_expert
+    per_dev = [{i: np.asarray(v, np.int64)[d * e_local:(d + 1) * e_local] for i, v in counts.items()}
+               if counts else None for d in range(n_dev)]
+    profile = ({i: sum(np.sort(p[i])[::-1] for p in per_dev) for i in counts} if counts else None)
+    base = plan_residency(f, local, expert_budget, policy, profile, **options)
+    by_counts = counts is not None and slot_policy(policy).ordered_by_counts
+    plans = []
+    for d in range(n_dev):
+        layers = {i: dataclasses.replace(s, resident=tuple(_order(e_local, per_dev[d].get(i) if by_counts else None)
+                                                           [:s.n_slots]))
+                  for i, s in base.layers.items()}
+        plans.append(dataclasses.replace(base, layers=layers))
+    return plans

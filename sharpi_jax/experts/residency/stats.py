@@ -19,10 +19,22 @@ def counters(arrays: Mapping[tuple, Any], host: dict) -> dict:
         if len(path) >= 5 and path[0] == "layers" and path[2:4] == ("ffn", "experts"):
             layer = int(path[1])
             if path[4] == "ctr":
-                dev[layer] = dict(zip(CTR, (int(x) for x in np.asarray(arr))))
-            elif path[4] == "counts":
-                counts[layer] = np.asarray(arr).astype(np.int64)
+                dev[layer] = dict(zip(CTR, (int(x) for x in _over_devices(np.asarray(arr)))))
+            elif path[4] == "counts":  # [n_dev, E / n_dev] under expert parallelism: the global order
+                counts[layer] = np.asarray(arr).astype(np.int64).reshape(-1)
     return {"device": dev, "counts": counts, "host": host}
+
+
+def _over_devices(ctr: np.ndarray) -> np.ndarray:
+    """A layer's counters summed over the devices of an expert axis (ctr [n_dev, len(CTR)]; one device:
+    [len(CTR)] as it is). Each device counts the pairs of its own experts, so pairs, hits, misses,
+    streamed... add up; every device counts every row, so `rows` is one device's; `batches`,
+    `slow_batches` and `unique` count device calls."""
+    if ctr.ndim == 1:
+        return ctr
+    out = ctr.sum(axis=0)
+    out[CTR.index("rows")] = ctr[0, CTR.index("rows")]
+    return out
 
 
 def zero_counters(like: dict) -> dict:
@@ -51,6 +63,11 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
     layers = sorted(after["device"])
     d = {i: {n: after["device"][i][n] - before["device"][i][n] for n in CTR} for i in layers}
     h = {n: {i: after["host"][n][i] - before["host"][n][i] for i in layers} for n in after["host"]}
+    # Bytes moved to the device, from the device counters (the callback's host counters give the same
+    # figures; the pinned host store moves experts with no callback to count them).
+    bpe = {i: plan.layers[i].bytes_per_expert if i in plan.layers else 0 for i in layers}
+    h["streamed_bytes"] = {i: d[i]["streamed"] * bpe[i] for i in layers}
+    h["ahead_bytes"] = {i: d[i]["ahead_streamed"] * bpe[i] for i in layers}
     return {**_plan_stats(plan, staging_kind), **_counter_stats(layers, d, h)}
 
 
