@@ -212,7 +212,7 @@ def _residency_check(load, ids: list[int], say) -> None:
             e = load(kernels="pallas", expert_budget=FLAGS.expert_budget, expert_policy=policy,
                      expert_lookahead=lookahead)
             say(f"residency (kernels='pallas', expert_budget={FLAGS.expert_budget}, {policy}, lookahead {lookahead}): "
-                f"{_budget_line(e, ids, h2d, full)}; staging: {e.residency.streamer.staging_kind}")
+                f"{_budget_line(e, ids, h2d, full)}; staging: {e.residency.staging_kind}")
             e.close()
 
 

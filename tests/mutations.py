@@ -588,10 +588,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ep_budget_other_pairs_summed",
-        "expert parallelism with a per-device budget: the psum adds only each pair's owner's rows",
-        "sharpi_jax/experts/residency/slots.py",
-        (("            bits = jnp.where(shard.owned[..., None], jax.lax.bitcast_convert_type(y, jnp.int32), 0)\n",
-          "            bits = jax.lax.bitcast_convert_type(y, jnp.int32)  # MUTATION: every device's rows summed\n"),),
+        "expert parallelism (with a per-device budget too): the psum adds only each pair's owner's rows",
+        "sharpi_jax/experts/parallel.py",
+        (("    bits = jnp.where(owned[..., None], jax.lax.bitcast_convert_type(y, jnp.int32), 0)\n",
+          "    bits = jax.lax.bitcast_convert_type(y, jnp.int32)  # MUTATION: every device's rows summed\n"),),
         ("tests/experts/test_expert_parallel.py", "-k", "per_device_budget_gives"),
     ),
     Mutation(

@@ -50,8 +50,7 @@ EXPERT_AXIS = "expert"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 __all__ = ["EXPERT_AXIS", "ShardedExperts", "ShardedGGUFExperts", "assemble_on_mesh", "check_expert_parallel",
-           "device_bytes",
-           "expert_mesh", "force_host_devices", "is_routed_expert", "replicate_dense", "sharded_expert_rows"]
+           "device_bytes", "expert_mesh", "force_host_devices", "is_routed_expert", "replicate_dense", "sharded_expert_rows"]
 
 
 def check_expert_parallel(n: Any, config: ModelConfig) -> int:
@@ -94,6 +93,14 @@ def expert_mesh(n: int) -> Mesh:
 # ----------------------------------------------------------------------------- dispatch
 
 
+def owners_sum(y: jax.Array, owned: jax.Array) -> jax.Array:
+    """Inside the shard_map: Y [N, k, D] with each (row, rank) pair taken from the device that owns its
+    expert (owned [N, k] on that device), by ONE psum of int32 bit patterns to which every other device
+    adds integer 0: the owner's bits exactly (module doc)."""
+    bits = jnp.where(owned[..., None], jax.lax.bitcast_convert_type(y, jnp.int32), 0)
+    return jax.lax.bitcast_convert_type(jax.lax.psum(bits, EXPERT_AXIS), jnp.float32)
+
+
 def sharded_expert_rows(u: jax.Array, sel: jax.Array, experts: tuple[QTensor, QTensor, QTensor], mesh: Mesh,
                         mode: str = "grouped", row_kernel: str = "gemm") -> jax.Array:
     """Y [N, k, D] (Y[i, j] = expert_{sel[i, j]}(u[i])) with the (gate, up, down) QTensor stacks sharded
@@ -109,8 +116,7 @@ def sharded_expert_rows(u: jax.Array, sel: jax.Array, experts: tuple[QTensor, QT
         mine = (sel >= first) & (sel < first + e_local)
         # Pairs of other devices go to bucket e_local: past every local expert, so none visits them.
         y, _ = expert_rows(u, jnp.where(mine, sel - first, e_local), mine_experts, mode, row_kernel)
-        bits = jnp.where(mine[..., None], jax.lax.bitcast_convert_type(y, jnp.int32), 0)
-        return jax.lax.bitcast_convert_type(jax.lax.psum(bits, EXPERT_AXIS), jnp.float32)
+        return owners_sum(y, mine)
 
     weight_spec = jax.tree.map(lambda _: P(EXPERT_AXIS), experts)
     # check_vma=False: the dispatch loops carry replicated values that become device-varying (the
@@ -143,20 +149,20 @@ def _assemble(parts: dict[Any, jax.Array], global_lead: int, sharding: NamedShar
                                                                       if d in parts])
 
 
-def assemble_on_mesh(parts: list, mesh: Mesh) -> Any:
-    """One value per device of the expert axis (numpy arrays, or QTensor stacks of one layout) -> one
-    global value sharded on axis 0 over `mesh`: QTensor stacks concatenated on their expert axis,
-    arrays stacked on a new leading axis (each device's own small state)."""
+def assemble_on_mesh(parts: dict[Any, Any], mesh: Mesh) -> Any:
+    """{device: its value} over the expert axis -> one global value sharded on axis 0 over `mesh`.
+    QTensor stacks of one layout (each addressable device's part) are concatenated on their expert
+    axis; numpy arrays (every device's part: each device's own small state) are stacked on a new one."""
     sharding = NamedSharding(mesh, P(EXPERT_AXIS))
-    devices = list(mesh.devices.flat)
-    if isinstance(parts[0], QTensor):
-        first = parts[0]
-        data = {k: _assemble({d: jax.device_put(p.data[k], d) for d, p in zip(devices, parts)
+    n_dev = mesh.shape[EXPERT_AXIS]
+    first = next(iter(parts.values()))
+    if isinstance(first, QTensor):
+        data = {k: _assemble({d: jax.device_put(p.data[k], d) for d, p in parts.items()
                               if d in sharding.addressable_devices},
-                             len(parts) * first.data[k].shape[0], sharding) for k in first.data}
-        return QTensor(data, first.qtype, (len(parts) * first.shape[0],) + tuple(first.shape[1:]), first.layout,
+                             n_dev * first.data[k].shape[0], sharding) for k in first.data}
+        return QTensor(data, first.qtype, (n_dev * first.shape[0],) + tuple(first.shape[1:]), first.layout,
                        first.backend)
-    host = np.stack([np.asarray(p) for p in parts])
+    host = np.stack([np.asarray(parts[d]) for d in mesh.devices.flat])
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
@@ -168,11 +174,8 @@ def shard_expert_stack(raw: np.ndarray, fmt: ExpertFormat, which: str, mesh: Mes
     for device, index in sharding.addressable_devices_indices_map(raw.shape).items():
         rows = range(raw.shape[0])[index[0]]  # this device's experts (slice(None) on a 1-device mesh)
         with jax.default_device(device):
-            part = fmt.pack(np.ascontiguousarray(raw[rows.start:rows.stop]), which)
-        parts[device] = jax.device_put(part, device)
-    first = next(iter(parts.values()))
-    data = {k: _assemble({d: p.data[k] for d, p in parts.items()}, raw.shape[0], sharding) for k in first.data}
-    return QTensor(data, first.qtype, fmt.shape(raw.shape[0], which), first.layout, first.backend)
+            parts[device] = fmt.pack(np.ascontiguousarray(raw[rows.start:rows.stop]), which)
+    return assemble_on_mesh(parts, mesh)
 
 
 class ShardedGGUFExperts(GGUFExperts):

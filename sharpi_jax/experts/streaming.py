@@ -147,9 +147,10 @@ class Streamer:
     # ----- counters -----
     def reset_stats(self) -> None:
         z = lambda v=0: {i: v for i in self.layers}  # noqa: E731
+        # Bytes streamed and fetched ahead are counted on the device (`residency.stats.run_stats`).
         self.stats = {"calls": z(), "callback_s": z(0.0), "host_s": z(0.0), "streamed_experts": z(),
-                      "streamed_bytes": z(), "host_experts": z(), "host_pairs": z(), "host_bytes": z(),
-                      "prefetch_experts": z(), "ahead_calls": z(), "ahead_s": z(0.0), "ahead_bytes": z()}
+                      "host_experts": z(), "host_pairs": z(), "host_bytes": z(),
+                      "prefetch_experts": z(), "ahead_calls": z(), "ahead_s": z(0.0)}
 
     def snapshot(self) -> dict:
         """A copy of the cumulative host-side counters."""
@@ -205,7 +206,6 @@ class Streamer:
             s["callback_s"][layer] += dt
             s["host_s"][layer] += host_s
             s["streamed_experts"][layer] += int(streamed.size)
-            s["streamed_bytes"][layer] += int(streamed.size) * src.bytes_per_expert
             s["host_experts"][layer] += int(hosted.size)
             s["host_bytes"][layer] += int(hosted.size) * src.bytes_per_expert
             s["host_pairs"][layer] += n_pairs
@@ -230,7 +230,6 @@ class Streamer:
         with self._lock:
             self.stats["ahead_calls"][layer] += 1
             self.stats["ahead_s"][layer] += dt
-            self.stats["ahead_bytes"][layer] += int(got.size) * src.bytes_per_expert
         return bufs
 
     def _host_compute(self, src: LayerSource, u: np.ndarray, sel: np.ndarray, valid: np.ndarray,

@@ -91,8 +91,8 @@ class Residency:
     def _param(self, layer: int, name: str, rest: tuple):
         if self.mesh is None:
             return self._device_param(0, layer, name, rest)
-        return assemble_on_mesh([self._device_param(d, layer, name, rest) for d in range(len(self.plans))],
-                                self.mesh)
+        return assemble_on_mesh({dev: self._device_param(d, layer, name, rest)
+                                 for d, dev in enumerate(self.mesh.devices.flat)}, self.mesh)
 
     def _device_param(self, device: int, layer: int, name: str, rest: tuple):
         """One device's value of a param (its plan's slots; its experts' global ids offset by device)."""

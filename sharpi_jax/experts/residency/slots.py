@@ -54,7 +54,7 @@ from sharpi_jax.config import RunConfig
 from sharpi_jax.experts import dispatch
 from sharpi_jax.experts.provider import ExpertFormat
 from sharpi_jax.quant import MatrixFormat, QTensor
-from sharpi_jax.experts.parallel import EXPERT_AXIS
+from sharpi_jax.experts.parallel import EXPERT_AXIS, owners_sum
 from sharpi_jax.experts.residency import lookahead
 from sharpi_jax.experts.residency.plan import PASS_MODES, LayerSpec
 from sharpi_jax.experts.residency.policies import slot_policy
@@ -277,8 +277,7 @@ class ResidentExperts(nnx.Module):
 
         def mine(st, shard, u, w, vmask):
             y, st = self._call(st, u, jnp.where(shard.owned, shard.sel - shard.first, 0), w, vmask, shard)
-            bits = jnp.where(shard.owned[..., None], jax.lax.bitcast_convert_type(y, jnp.int32), 0)
-            return jax.lax.bitcast_convert_type(jax.lax.psum(bits, EXPERT_AXIS), jnp.float32), st
+            return owners_sum(y, shard.owned), st
 
         y, st = self._on_mesh(mine, self._state(), sel, u.astype(jnp.float32), w, vmask)
         self._set_state(st)

@@ -63,8 +63,8 @@ def run_stats(plan: ResidencyPlan, staging_kind: str, before: dict, after: dict)
     layers = sorted(after["device"])
     d = {i: {n: after["device"][i][n] - before["device"][i][n] for n in CTR} for i in layers}
     h = {n: {i: after["host"][n][i] - before["host"][n][i] for i in layers} for n in after["host"]}
-    # Bytes moved to the device, from the device counters (the callback's host counters give the same
-    # figures; the pinned host store moves experts with no callback to count them).
+    # Bytes moved to the device, from the device counters: the pinned host store moves experts with no
+    # callback, so the host side cannot count them.
     bpe = {i: plan.layers[i].bytes_per_expert if i in plan.layers else 0 for i in layers}
     h["streamed_bytes"] = {i: d[i]["streamed"] * bpe[i] for i in layers}
     h["ahead_bytes"] = {i: d[i]["ahead_streamed"] * bpe[i] for i in layers}
