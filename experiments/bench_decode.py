@@ -36,9 +36,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import llama_cpp_side
-from experiments.cli import fail
+from experiments.cli import fail, reports_bad_input
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
-from sharpi_jax.errors import SharpiError
 
 FLAGS = flags.FLAGS
 REPO = Path(__file__).resolve().parents[1]
@@ -303,6 +302,7 @@ def _with_layouts(models):
     return out
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     line_buffered()
@@ -311,17 +311,11 @@ def main(argv) -> int:
     header = (f"{'model':34s} {'kernels':>7s} {'prefill tok/s [min-max]':>26s} {'decode tok/s [min-max]':>24s} "
               f"{'cpu s/call':>10s} {'held GiB':>8s} {'MiB/token (floor)':>18s} {'RssAnon GiB (+)':>15s}   "
               f"{'llama.cpp prefill':>17s} {'decode':>8s}   {'ours/llama.cpp prefill':>22s} {'decode':>7s}")
-    try:
-        models = _models()
-    except SharpiError as e:
-        return fail(e)
+    models = _models()
     if not models:
         return fail("no model to bench (no fixtures found, --nosynthetic, or --only matched nothing)")
-    try:
-        ours_rows, llama, engines = bench_ours(models, FLAGS.repeats)
-        width_recs = bench_widths(models, engines, ours_rows) if FLAGS.widths else []
-    except SharpiError as e:
-        return fail(e)
+    ours_rows, llama, engines = bench_ours(models, FLAGS.repeats)
+    width_recs = bench_widths(models, engines, ours_rows) if FLAGS.widths else []
     from experiments.bandwidth import copy_bandwidth
 
     bw = copy_bandwidth()

@@ -20,8 +20,7 @@ import json
 
 from absl import app, flags, logging
 
-from experiments.cli import fail
-from sharpi_jax.errors import SharpiError
+from experiments.cli import fail, reports_bad_input
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "default", "Preset name (configs/models.json) or GGUF path of a MoE model.")
@@ -40,6 +39,7 @@ def _prompt(engine, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -57,11 +57,8 @@ def main(argv) -> int:
     import sharpi_jax as sj
     from experiments.presets import resolve_model
 
-    try:
-        path = resolve_model(None if FLAGS.model == "default" else FLAGS.model)
-        engines = [sj.load(path, max_context=FLAGS.max_context, expert_parallel=n) for n in ns]
-    except SharpiError as e:
-        return fail(e)
+    path = resolve_model(None if FLAGS.model == "default" else FLAGS.model)
+    engines = [sj.load(path, max_context=FLAGS.max_context, expert_parallel=n) for n in ns]
     ids = _prompt(engines[0], FLAGS.prompt_tokens)
     print(f"{path.name}: {engines[0].config.n_expert} experts per layer, {jax.device_count()} "
           f"{jax.default_backend()} devices")

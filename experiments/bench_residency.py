@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import reports_bad_input
 from experiments.timing import interleaved, line_buffered, put_spread
 
 FLAGS = flags.FLAGS
@@ -346,16 +346,12 @@ def _emit_quiet(out: Path, r: dict) -> None:
         fh.write(json.dumps(r) + "\n")
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     line_buffered()
     from experiments.plot import plot_all
-    from sharpi_jax.errors import SharpiError
-
-    try:
-        path = None if FLAGS.lookahead else _model_path()
-    except SharpiError as e:
-        return fail(e)
+    path = None if FLAGS.lookahead else _model_path()
     records = []
     out = Path(FLAGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from experiments.cli import fail
+from experiments.cli import fail, reports_bad_input
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread, spread
 
 FLAGS = flags.FLAGS
@@ -96,12 +96,12 @@ def _llama_cpp(path: Path, ids: list[int], text: str, ks: list[int], n: int) -> 
     return off, mtp
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     line_buffered()
     logging.set_verbosity(logging.WARNING)
     import sharpi_jax as sj
-    from sharpi_jax.errors import SharpiError
 
     try:
         path = Path(_resolve(FLAGS.model or FLAGS.gguf))
@@ -113,7 +113,7 @@ def main(argv) -> int:
             raise sj.InputError("--pass_only needs --pass_widths")
         if not engine.config.has_mtp and not FLAGS.pass_only:
             raise sj.InputError(f"{path} has no MTP head")
-    except (SharpiError, ValueError) as e:
+    except ValueError as e:
         return fail(e)
     ids, prompt_desc, prompt_text = _prompt(engine, path)
     records = []

@@ -27,8 +27,8 @@ import sys
 
 from absl import app, flags, logging
 
-from experiments.cli import fail
-from sharpi_jax.errors import InputError, SharpiError
+from experiments.cli import fail, reports_bad_input
+from sharpi_jax.errors import InputError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("gguf", None, "GGUF model file (default: the embedded default model).")
@@ -87,6 +87,7 @@ flags.DEFINE_integer("repeats", 5, "Timed rounds of each mode for --compare (med
                      lower_bound=1)
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -96,25 +97,22 @@ def main(argv) -> int:
         return fail("--compare times MTP off against MTP: add --speculative=mtp")
     compare = None
     parallel_info = _start_devices()
-    try:
-        opts = _options()  # validated before the model loads
-        budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
-                                                              expert_policy=FLAGS.expert_policy)
-        if FLAGS.expert_parallel is not None:
-            budget["expert_parallel"] = FLAGS.expert_parallel
-        kv = dict(kv_policy=FLAGS.kv_policy, kv_budget=FLAGS.kv_budget, kv_window=FLAGS.kv_window,
-                  kv_pool=FLAGS.kv_pool)
-        engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget, **kv)
-        if engine.mesh is not None:
-            parallel_info["devices"] = [str(d) for d in engine.mesh.devices.flat]
-        if FLAGS.compare:
-            out, compare = _compare(engine, opts)
-        else:
-            if FLAGS.warmup:
-                engine.generate(_prompt(engine), dataclasses.replace(opts, max_new_tokens=2))
-            out = engine.generate(_prompt(engine), opts)
-    except SharpiError as e:
-        return fail(e)
+    opts = _options()  # validated before the model loads
+    budget = {} if FLAGS.expert_budget is None else dict(expert_budget=FLAGS.expert_budget,
+                                                          expert_policy=FLAGS.expert_policy)
+    if FLAGS.expert_parallel is not None:
+        budget["expert_parallel"] = FLAGS.expert_parallel
+    kv = dict(kv_policy=FLAGS.kv_policy, kv_budget=FLAGS.kv_budget, kv_window=FLAGS.kv_window,
+              kv_pool=FLAGS.kv_pool)
+    engine = sj.load(FLAGS.gguf, max_context=FLAGS.max_context, **budget, **kv)
+    if engine.mesh is not None:
+        parallel_info["devices"] = [str(d) for d in engine.mesh.devices.flat]
+    if FLAGS.compare:
+        out, compare = _compare(engine, opts)
+    else:
+        if FLAGS.warmup:
+            engine.generate(_prompt(engine), dataclasses.replace(opts, max_new_tokens=2))
+        out = engine.generate(_prompt(engine), opts)
     if parallel_info.get("process_id", 0) != 0:
         return 0  # every process computed the same tokens; process 0 prints them
     if FLAGS.json:

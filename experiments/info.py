@@ -17,9 +17,9 @@ import json
 
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import reports_bad_input
 from sharpi_jax.assets import default_model_path
-from sharpi_jax.errors import InputError, SharpiError
+from sharpi_jax.errors import InputError
 from sharpi_jax.gguf import GGUFFile, read_model_config
 
 FLAGS = flags.FLAGS
@@ -98,19 +98,16 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:10.2f} MiB"
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
-    try:
-        if FLAGS.plan:
-            if FLAGS.preset is not None and FLAGS.gguf is not None:
-                raise InputError("--plan takes --gguf or --preset, not both")
-            p = memory_plan_of(FLAGS.gguf or (None if FLAGS.preset else default_model_path()), FLAGS.preset)
-            print(json.dumps(p)) if FLAGS.json else _print_plan(p)
-            return 0
-        path = FLAGS.gguf or default_model_path()
-        d = describe(path)
-    except SharpiError as e:
-        return fail(e)
+    if FLAGS.plan:
+        if FLAGS.preset is not None and FLAGS.gguf is not None:
+            raise InputError("--plan takes --gguf or --preset, not both")
+        p = memory_plan_of(FLAGS.gguf or (None if FLAGS.preset else default_model_path()), FLAGS.preset)
+        print(json.dumps(p)) if FLAGS.json else _print_plan(p)
+        return 0
+    d = describe(FLAGS.gguf or default_model_path())
     if FLAGS.json:
         if not FLAGS.tensors:
             d.pop("tensors")

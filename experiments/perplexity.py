@@ -45,7 +45,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import reports_bad_input
 from experiments.presets import HELD_OUT_SOURCES, REPO_ROOT, resolve_model
 
 FLAGS = flags.FLAGS
@@ -229,61 +229,59 @@ def figure(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+@reports_bad_input
 def main(argv):
     del argv
     import sharpi_jax as sj
-    from sharpi_jax.errors import InputError, SharpiError
+    from sharpi_jax.errors import InputError
     from sharpi_jax.runtime import perplexity as P
 
     if FLAGS.write_corpus:
         names = write_stdlib_corpus()
         print(f"wrote {CORPUS_DIR / 'stdlib.txt'}: {len(names)} files: {', '.join(names)}")
         return
-    try:
-        if FLAGS.batch < 1:
-            raise InputError(f"--batch must be >= 1, got {FLAGS.batch}")
-        if FLAGS.buckets < 1:
-            raise InputError(f"--buckets must be >= 1, got {FLAGS.buckets}")
-        if FLAGS.record and not FLAGS.llama_bin:
-            raise InputError("--record writes llama-perplexity's figures: add --llama_bin")
-        text, text_name = read_text(FLAGS.text, FLAGS.corpus)
-        paths = [resolve_model(g) for g in FLAGS.gguf]
-        ref_path = resolve_model(FLAGS.reference) if FLAGS.reference else None
-        ctx, first = FLAGS.ctx, FLAGS.ctx // 2
-        load = lambda p: sj.load(p, max_context=max(ctx, 4), kernels=FLAGS.kernels)  # noqa: E731
-        ref = load(ref_path) if ref_path is not None else None
-        records = []
-        for name, path in zip(FLAGS.gguf, paths):
-            engine = load(path)
-            if ref is not None and ref.config.n_vocab != engine.config.n_vocab:
-                raise InputError(f"{path} has a vocabulary of {engine.config.n_vocab}, the reference "
-                                 f"{ref_path} {ref.config.n_vocab}: KL needs the same vocabulary")
-            tok = engine.tokenizer
-            ids = tok.encode(text)
-            if ref is not None and ref.tokenizer.encode(text) != ids:
-                raise InputError(f"{path} and the reference {ref_path} tokenize the text differently")
-            chunk_ids = P.chunks(ids, ctx, None if FLAGS.chunks < 0 else FLAGS.chunks,
-                                 tok.bos_id if tok.add_bos else None)
-            t0 = time.perf_counter()
-            scores = P.score_chunks(engine.runtime, chunk_ids, first, FLAGS.batch,
-                                    ref.runtime if ref is not None else None)
-            seconds = time.perf_counter() - t0
-            rec = {"model": name, "file": str(path), "reference": str(ref_path) if ref_path else None,
-                   "text": text_name, "tokens": len(ids), "ctx": ctx, "chunks": len(chunk_ids),
-                   "batch": FLAGS.batch, "kernels": engine.matrix_format.backend, "seconds": round(seconds, 2),
-                   **P.summary(scores), "by_position": P.by_position(scores, first, ctx, FLAGS.buckets)}
-            records.append(rec)
-            line = (f"{name}: PPL = {rec['ppl']:.4f} +/- {rec['ppl_err']:.5f} over {rec['chunks']} chunks of "
-                    f"{ctx} ({rec['count']} scored tokens, {seconds:.1f} s incl. compile)")
-            if "kl_mean" in rec:
-                line += (f"; vs reference: KL mean {rec['kl_mean']:.6f} +/- {rec['kl_err']:.6f}, median "
-                         f"{rec['kl_percentiles']['50.0']:.6f}, 99% {rec['kl_percentiles']['99.0']:.6f}, max "
-                         f"{rec['kl_max']:.6f}; top-1 agreement {rec['top1_agreement']:.3%}; PPL ratio "
-                         f"{rec['ppl_ratio']:.6f}")
-            print(line, flush=True)
-            del engine
-    except SharpiError as e:
-        sys.exit(fail(e))
+    if FLAGS.batch < 1:
+        raise InputError(f"--batch must be >= 1, got {FLAGS.batch}")
+    if FLAGS.buckets < 1:
+        raise InputError(f"--buckets must be >= 1, got {FLAGS.buckets}")
+    if FLAGS.record and not FLAGS.llama_bin:
+        raise InputError("--record writes llama-perplexity's figures: add --llama_bin")
+    text, text_name = read_text(FLAGS.text, FLAGS.corpus)
+    paths = [resolve_model(g) for g in FLAGS.gguf]
+    ref_path = resolve_model(FLAGS.reference) if FLAGS.reference else None
+    ctx, first = FLAGS.ctx, FLAGS.ctx // 2
+    load = lambda p: sj.load(p, max_context=max(ctx, 4), kernels=FLAGS.kernels)  # noqa: E731
+    ref = load(ref_path) if ref_path is not None else None
+    records = []
+    for name, path in zip(FLAGS.gguf, paths):
+        engine = load(path)
+        if ref is not None and ref.config.n_vocab != engine.config.n_vocab:
+            raise InputError(f"{path} has a vocabulary of {engine.config.n_vocab}, the reference "
+                             f"{ref_path} {ref.config.n_vocab}: KL needs the same vocabulary")
+        tok = engine.tokenizer
+        ids = tok.encode(text)
+        if ref is not None and ref.tokenizer.encode(text) != ids:
+            raise InputError(f"{path} and the reference {ref_path} tokenize the text differently")
+        chunk_ids = P.chunks(ids, ctx, None if FLAGS.chunks < 0 else FLAGS.chunks,
+                             tok.bos_id if tok.add_bos else None)
+        t0 = time.perf_counter()
+        scores = P.score_chunks(engine.runtime, chunk_ids, first, FLAGS.batch,
+                                ref.runtime if ref is not None else None)
+        seconds = time.perf_counter() - t0
+        rec = {"model": name, "file": str(path), "reference": str(ref_path) if ref_path else None,
+               "text": text_name, "tokens": len(ids), "ctx": ctx, "chunks": len(chunk_ids),
+               "batch": FLAGS.batch, "kernels": engine.matrix_format.backend, "seconds": round(seconds, 2),
+               **P.summary(scores), "by_position": P.by_position(scores, first, ctx, FLAGS.buckets)}
+        records.append(rec)
+        line = (f"{name}: PPL = {rec['ppl']:.4f} +/- {rec['ppl_err']:.5f} over {rec['chunks']} chunks of "
+                f"{ctx} ({rec['count']} scored tokens, {seconds:.1f} s incl. compile)")
+        if "kl_mean" in rec:
+            line += (f"; vs reference: KL mean {rec['kl_mean']:.6f} +/- {rec['kl_err']:.6f}, median "
+                     f"{rec['kl_percentiles']['50.0']:.6f}, 99% {rec['kl_percentiles']['99.0']:.6f}, max "
+                     f"{rec['kl_max']:.6f}; top-1 agreement {rec['top1_agreement']:.3%}; PPL ratio "
+                     f"{rec['ppl_ratio']:.6f}")
+        print(line, flush=True)
+        del engine
     if FLAGS.llama_bin:
         llama = llama_side(paths, ref_path, text, ctx, FLAGS.chunks)
         print(f"\n{'file':<28} {'ours PPL':>10} {'llama PPL':>10} {'rel. diff':>10} {'ours KL':>10} "

@@ -26,7 +26,7 @@ from typing import Any
 
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import reports_bad_input
 from experiments.timing import spread
 
 FLAGS = flags.FLAGS
@@ -257,14 +257,10 @@ def plot_all(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return written
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
-    from sharpi_jax.errors import SharpiError
-
-    try:
-        records = read_records(FLAGS.results)
-    except SharpiError as e:
-        return fail(e)
+    records = read_records(FLAGS.results)
     out_dir = Path(FLAGS.out_dir or Path(FLAGS.results[0]).parent / "plots")
     written = plot_all(records, out_dir)
     if not written:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import fail, reports_bad_input
 from experiments.pass_timing import loop_pass, row_tokens
 from experiments.presets import resolve_model
 from experiments.timing import spread
@@ -99,10 +99,10 @@ def self_times(events: list[dict]) -> list[tuple[str, float]]:
     return out
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     import sharpi_jax as sj
-    from sharpi_jax.errors import SharpiError
 
     if FLAGS.rows < 1 or FLAGS.steps < 1 or FLAGS.prompt_tokens < 1:
         return fail("--rows, --steps and --prompt_tokens must be at least 1")
@@ -112,7 +112,7 @@ def main(argv) -> int:
     try:
         path = resolve_model(FLAGS.model)
         engine = sj.load(path, max_context=FLAGS.max_context)
-    except (SharpiError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         return fail(e)
     rt = engine.runtime
     ids = list(range(100, 100 + FLAGS.prompt_tokens))

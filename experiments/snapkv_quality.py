@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import fail, reports_bad_input
 from experiments.presets import FIXTURES_DIR, resolve_model
 
 FLAGS = flags.FLAGS
@@ -97,11 +97,11 @@ def measure(engine, model: str, ids: list[int], budgets: list[int], emit) -> Non
         emit(rec)
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     import sharpi_jax as sj
     from experiments.plot import plot_all
-    from sharpi_jax.errors import SharpiError
 
     out = Path(FLAGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +127,7 @@ def main(argv) -> int:
                     ids = ids[:FLAGS.prompt_tokens]
                 ids = engine.check_ids(ids[: FLAGS.max_context - FLAGS.new_tokens])
                 measure(engine, model, ids, budgets, emit)
-    except (SharpiError, ValueError) as e:
+    except ValueError as e:
         return fail(e)
     print(f"wrote {len(records)} records to {out}")
     for p in plot_all(records, Path(FLAGS.plot_dir or out.parent / "plots")):

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import reports_bad_input
 from experiments.presets import PYTHON_PROMPTS
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
 
@@ -235,18 +235,14 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | Non
     return records
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     line_buffered()
-    from sharpi_jax.errors import SharpiError
-
-    try:
-        cfg = load_config(FLAGS.config)
-        out = Path(FLAGS.out or Path("results") / f"{cfg['name']}.jsonl")
-        records = run_sweep(cfg, out, log=(lambda *_: None) if FLAGS.quiet else (lambda m: print(m, flush=True)),
-                            repeats=FLAGS.repeats)
-    except SharpiError as e:
-        return fail(e)
+    cfg = load_config(FLAGS.config)
+    out = Path(FLAGS.out or Path("results") / f"{cfg['name']}.jsonl")
+    records = run_sweep(cfg, out, log=(lambda *_: None) if FLAGS.quiet else (lambda m: print(m, flush=True)),
+                        repeats=FLAGS.repeats)
     print(f"wrote {len(records)} records to {out}")
     return 0
 

@@ -59,9 +59,9 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import fail, reports_bad_input
 from sharpi_jax.config import SHAPE_PRESETS, ModelConfig, shape_preset
-from sharpi_jax.errors import InputError, SharpiError
+from sharpi_jax.errors import InputError
 from sharpi_jax.gguf import read_model_config
 from sharpi_jax.gguf.reader import GGUFFile
 from sharpi_jax.gguf.tensor_specs import TensorSpec
@@ -411,6 +411,7 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "Output GGUF path.", required=True)
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
     from experiments.presets import resolve_model
@@ -422,7 +423,7 @@ def main(argv) -> int:
             shape = shape.replace(n_vocab=FLAGS.n_vocab)
         path = write_twin(source, FLAGS.out, shape, FLAGS.n_layer, FLAGS.qtype, FLAGS.pad_row,
                           progress=sys.stderr.isatty())
-    except (SharpiError, FileNotFoundError) as e:
+    except FileNotFoundError as e:
         return fail(e)
     with GGUFFile(path) as f:
         c = read_model_config(f)

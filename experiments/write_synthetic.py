@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from experiments.cli import fail
+from experiments.cli import reports_bad_input
 from sharpi_jax.config import SHAPE_PRESETS, shape_preset
-from sharpi_jax.errors import SharpiError
 from sharpi_jax.testing import write_synthetic_gguf
 
 FLAGS = flags.FLAGS
@@ -27,14 +26,12 @@ flags.DEFINE_integer("seed", 0, "Random seed.")
 flags.DEFINE_string("out", None, "Output path.", required=True)
 
 
+@reports_bad_input
 def main(argv) -> int:
     del argv
-    try:
-        config = shape_preset(FLAGS.preset, FLAGS.n_layer)
-        path = write_synthetic_gguf(FLAGS.out, config, qtype=FLAGS.qtype, expert_qtype=FLAGS.expert_qtype,
-                                    seed=FLAGS.seed, progress=True, name=f"synthetic-{FLAGS.preset}")
-    except SharpiError as e:
-        return fail(e)
+    config = shape_preset(FLAGS.preset, FLAGS.n_layer)
+    path = write_synthetic_gguf(FLAGS.out, config, qtype=FLAGS.qtype, expert_qtype=FLAGS.expert_qtype,
+                                seed=FLAGS.seed, progress=True, name=f"synthetic-{FLAGS.preset}")
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
