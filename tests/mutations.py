@@ -563,6 +563,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/experts/test_policy_reference.py", "-k", "slru"),
     ),
     Mutation(
+        "entry_point_error_traceback",
+        "an entry point's bad input is one line, `error: ...`, and exit status 2, wherever in the run it is raised",
+        "experiments/cli.py",
+        (("            return fail(e)\n", "            raise  # MUTATION: a library error ends in a traceback\n"),),
+        ("tests/experiments/test_entry_points.py", "-k", "perplexity_bad_corpus or snapkv_bad_budget"),
+    ),
+    Mutation(
         "cli_bench_prefix_dropped",
         "sharpi COMMAND runs python -m experiments.COMMAND; sharpi bench NAME runs experiments.bench_NAME",
         "sharpi_jax/cli.py",
