@@ -50,7 +50,8 @@ EXPERT_AXIS = "expert"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 __all__ = ["EXPERT_AXIS", "ShardedExperts", "ShardedGGUFExperts", "assemble_on_mesh", "check_expert_parallel",
-           "device_bytes", "expert_mesh", "force_host_devices", "is_routed_expert", "replicate_dense", "sharded_expert_rows"]
+           "device_bytes", "expert_mesh", "force_host_devices", "is_routed_expert", "replicate_dense",
+           "sharded_expert_rows"]
 
 
 def check_expert_parallel(n: Any, config: ModelConfig) -> int:
