@@ -53,6 +53,9 @@ flags.DEFINE_list("draft_vocab", [], "Draft vocabulary sizes N: time one MTP dra
                   "device loop, acceptance beside the full head's.")
 flags.DEFINE_list("p_mins", [], "Adaptive chain length (draft_p_min) values: run the chain k with each on the "
                   "device loop, beside the always-k chain (drafts per pass, tokens per pass, tok/s).")
+flags.DEFINE_list("verify_heads", [], "Also run the device-loop chain (every k) and trees with these LM-head "
+                  "modes of the verify pass (RunConfig.verify_head: lazy, full), beside the engine's own, on the "
+                  "same loaded weights.")
 flags.DEFINE_bool("draft_step_only", False, "Only the draft-step timing of --draft_vocab (for big files).")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
@@ -113,6 +116,9 @@ def main(argv) -> int:
             raise sj.InputError("--pass_only needs --pass_widths")
         if not engine.config.has_mtp and not FLAGS.pass_only:
             raise sj.InputError(f"{path} has no MTP head")
+        heads = [h.strip() for h in FLAGS.verify_heads]
+        if any(h not in ("lazy", "full") for h in heads):
+            raise sj.InputError(f"--verify_heads takes lazy and full, got {FLAGS.verify_heads}")
     except ValueError as e:
         return fail(e)
     ids, prompt_desc, prompt_text = _prompt(engine, path)
@@ -130,8 +136,10 @@ def main(argv) -> int:
         _write(records, 0)
         return 0
     n = FLAGS.new_tokens
+    own_head = "lazy" if engine.runtime.lazy_head else "full"
     print(f"model {path.name} ({engine.config.arch}), prompt: {prompt_desc} ({len(ids)} tokens), "
-          f"{n} new tokens, greedy; warm-up, then median [min-max] of {FLAGS.repeats} interleaved rounds", flush=True)
+          f"{n} new tokens, greedy, verify head {own_head}; warm-up, then median [min-max] of {FLAGS.repeats} "
+          f"interleaved rounds", flush=True)
 
     # MTP off and the batched chain on both loops (device: one jitted program per run; host: one call per
     # step / pass, the sequential reference); sequential verify runs the host loop; trees both loops.
@@ -149,15 +157,31 @@ def main(argv) -> int:
     pm_first = len(configs)
     configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_p_min=float(p))
                 for k in ks for p in FLAGS.p_mins]
+    vh_first = len(configs)
+    configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", verify_head=h)
+                for h in heads for k in ks]
+    configs += [dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m, verify="batched", loop="device",
+                     verify_head=h) for h in heads for k, m in trees]
+
+    def generate(max_new_tokens, kw):
+        # --verify_heads: the same engine with the device loop's head mode switched for this run (the
+        # attribute `RunConfig.verify_head` resolves to at load), so both modes read the same weights.
+        kw, rt = dict(kw), engine.runtime
+        head, own = kw.pop("verify_head", None), rt.lazy_head
+        rt.lazy_head = own if head is None else head == "lazy"
+        try:
+            return engine.generate(ids, max_new_tokens=max_new_tokens, stop_on_eos=False, **kw)
+        finally:
+            rt.lazy_head = own
 
     def run(kw):
-        return engine.generate(ids, max_new_tokens=n, stop_on_eos=False, **kw)
+        return generate(n, kw)
 
     # Warm-up (compiles every configuration), then interleaved rounds, each running every configuration
     # once (experiments.timing): on a shared machine this keeps load changes from favouring whichever
     # configuration ran in a quiet spell. Figures: the median round, with min / max.
     def warm(kw):  # long enough to compile prefill, decode, draft and verify of every configuration
-        engine.generate(ids, max_new_tokens=min(n, 2 * (kw.get("draft_tokens", 1) + 1) + 2), stop_on_eos=False, **kw)
+        generate(min(n, 2 * (kw.get("draft_tokens", 1) + 1) + 2), kw)
 
     results = interleaved(configs, run, FLAGS.repeats, warm=warm, log=lambda m: print(m, flush=True),
                           what="configurations")
@@ -209,9 +233,12 @@ def main(argv) -> int:
     if trees:
         _tree_rows(path, trees, ks, results, tok_s, med, records)
     if vocabs:
-        _draft_vocab_rows(path, ks, vocabs, configs, dv_first, results, tok_s, med, records)
+        _draft_vocab_rows(path, ks, vocabs, configs, range(dv_first, pm_first), results, tok_s, med, records)
     if FLAGS.p_mins:
-        _p_min_rows(path, ks, configs, pm_first, results, tok_s, med, records)
+        _p_min_rows(path, ks, configs, range(pm_first, vh_first), results, tok_s, med, records)
+    if heads:
+        _verify_head_rows(path, ks, trees, own_head, configs, range(vh_first, len(configs)), results, tok_s, med,
+                          records)
     lc_off, lc_mtp = _llama_cpp(path, ids, prompt_text, ks, n)
     if lc_off is not None or lc_mtp:
         _print_llama_cpp(off_dev, rows, lc_off, lc_mtp)
@@ -325,12 +352,12 @@ def _chain_record(path: Path, k: int, outs, base, tok_s: list[float], records: l
     return same
 
 
-def _draft_vocab_rows(path: Path, ks, vocabs, configs, first, results, tok_s, med, records) -> None:
+def _draft_vocab_rows(path: Path, ks, vocabs, configs, indices: range, results, tok_s, med, records) -> None:
     """Chain k with each draft vocabulary on the device loop, beside the full head's device-loop row."""
     base = results[0][0]
     print(f"\n{'k':>2} {'draft_vocab':>11} {'tok/s [min-max]':>24} {'vs full':>7} {'accept':>7} {'full accept':>11} "
           f"{'tok/pass':>8}  same tokens")
-    for j in range(first, len(configs)):
+    for j in indices:
         k, v = configs[j]["draft_tokens"], configs[j]["draft_vocab"]
         full_i = 2 + 3 * ks.index(k) + 2  # the full head's device-loop chain row
         s, fs = results[j][0].stats, results[full_i][0].stats
@@ -343,12 +370,12 @@ def _draft_vocab_rows(path: Path, ks, vocabs, configs, first, results, tok_s, me
           "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
 
 
-def _p_min_rows(path: Path, ks, configs, first, results, tok_s, med, records) -> None:
+def _p_min_rows(path: Path, ks, configs, indices: range, results, tok_s, med, records) -> None:
     """Chain k with an adaptive length (draft_p_min) on the device loop, beside the always-k device chain."""
     base = results[0][0]
     print(f"\n{'k':>2} {'p_min':>6} {'tok/s [min-max]':>24} {'vs k':>6} {'drafts/pass':>11} {'tok/pass':>8} "
           f"{'accept':>7}  same tokens")
-    for j in range(first, len(configs)):
+    for j in indices:
         k, p = configs[j]["draft_tokens"], configs[j]["draft_p_min"]
         full_i = 2 + 3 * ks.index(k) + 2  # the always-k device-loop chain row
         s = results[j][0].stats.speculation
@@ -358,6 +385,32 @@ def _p_min_rows(path: Path, ks, configs, first, results, tok_s, med, records) ->
               f"{s.mean_accept_len:>8.2f} {s.acceptance_rate:>7.1%}  {'yes' if same else 'NO'}")
     print("p_min rows: device loop; vs k: tok/s over the always-k chain at the same k; drafts/pass: drafts verified "
           "per trunk pass (k at most).")
+
+
+def _verify_head_rows(path: Path, ks, trees, own_head, configs, indices: range, results, tok_s, med, records) -> None:
+    """The device-loop chain and trees with another verify-head mode, beside the engine's own rows."""
+    base = results[0][0]
+    print(f"\n{'run':>12} {'head':>5} {'tok/s [min-max]':>24} {'vs ' + own_head:>9} {'tok/pass':>8}  same tokens")
+    for j in indices:
+        kw = configs[j]
+        k, head = kw["draft_tokens"], kw["verify_head"]
+        if kw["speculative"] == "mtp":
+            own_i, name = 2 + 3 * ks.index(k) + 2, f"chain k={k}"
+        else:
+            m = kw["tree_nodes"]
+            own_i, name = 2 + 3 * len(ks) + 2 * trees.index((k, m)) + 1, f"tree {k}/{m}"
+        same = all(o.tokens == base.tokens for o in results[j])
+        s = results[j][0].stats
+        rec = {"model": path.stem, "speculative": kw["speculative"], "draft_tokens": k, "verify": "batched",
+               "loop": "device", "verify_head": head, "tree_nodes": kw.get("tree_nodes"), "same_tokens_as_off": same,
+               "repeats": FLAGS.repeats, "vs_own_head": med[j] / med[own_i],
+               **_picked(s, ("mean_accept_len", "drafted", "accepted", "verify_passes", "generated_tokens"))}
+        records.append(put_spread(rec, "decode_tok_s", tok_s[j]))
+        print(f"{name:>12} {head:>5} {fmt_spread(tok_s[j], 24)} {med[j] / med[own_i]:>9.2f} "
+              f"{s.speculation.mean_accept_len:>8.2f}  {'yes' if same else 'NO'}")
+    print(f"verify-head rows: device loop; vs {own_head}: tok/s over the same run with the engine's own head mode "
+          f"({own_head}: " + ("the LM head of the walked rows only, one row at a time)" if own_head == "lazy" else
+                              "every verify row's LM head in the pass)"))
 
 
 def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> None:

@@ -25,6 +25,7 @@ DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
 DEFAULT_GDN_CHUNK = 64
 GDN_SOLVES = ("substitution", "inverse")  # how the chunked GDN form solves its triangular system
 ATTENTION_CHUNKS = ("used", "all")  # which KV-cache chunks attention visits (same bits)
+VERIFY_HEADS = ("auto", "lazy", "full")  # which LM-head rows a device-loop verify pass computes (same tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,12 @@ class RunConfig:
         `sharpi_jax.quant.registry` (checked at load).
     repack: explicit repacking of quantized matrices on XLA: "auto" (int8 rows for matrices of >= 4M
         weights), None (every matrix in its GGUF encoding) or "int8" (all); see sharpi_jax.quant.
+    verify_head: which LM-head rows a speculative pass of the device loop computes (one sequence; a
+        batch computes every row): "full" (every verify row, one product), "lazy" (one row at a time,
+        only the rows the acceptance walk reaches: the certain row, each accepted draft's row; a tree's
+        walked path) or "auto" (lazy where the head runs on ggml's CPU kernels, whose rows cost their
+        arithmetic even when batched; full elsewhere, e.g. on a GPU, where extra rows are nearly free).
+        Same tokens and stats: each head row has the same bits alone or in a product.
     """
 
     expert_mode: str = "grouped"
@@ -63,6 +70,7 @@ class RunConfig:
     attention_chunks: str = "used"
     kernels: str = "auto"
     repack: str | None = "auto"
+    verify_head: str = "auto"
 
     def __post_init__(self) -> None:
         if self.expert_mode not in EXPERT_MODES:
@@ -88,6 +96,8 @@ class RunConfig:
             raise InputError(f"gdn_solve must be one of {GDN_SOLVES}, got {self.gdn_solve!r}")
         if self.attention_chunks not in ATTENTION_CHUNKS:
             raise InputError(f"attention_chunks must be one of {ATTENTION_CHUNKS}, got {self.attention_chunks!r}")
+        if self.verify_head not in VERIFY_HEADS:
+            raise InputError(f"verify_head must be one of {VERIFY_HEADS}, got {self.verify_head!r}")
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed (validated again); None values leave a field as it is."""

@@ -172,14 +172,21 @@ class Transformer(nnx.Module):
         hidden, state, _ = self._trunk(state, tokens, start, n_valid, gdn, queries=queries)
         return (hidden, state, tuple(queries)) if with_q else (hidden, state)
 
-    def rows(self, state, tokens, start, n_valid, tree: TreeRows | None = None, into=None):
+    def rows(self, state, tokens, start, n_valid, tree: TreeRows | None = None, into=None, head: bool = True):
         """T >= 2 rows with the recurrent GDN form. Returns (logits [T, V], hidden [T, D], state with the
         KV rows written and the GDN state unchanged, snapshots: per layer, a GDNCache of per-row states
         [T, ...] for a GDN layer, None for an attention layer). tree: draft-tree rows at positions
         start + tree.depth (`sharpi_jax.model.tree`); None: a chain at start, start + 1, ... into: Snapshots
-        of the same shapes (e.g. the previous pass's, donated) to write the snapshots into, in place."""
+        of the same shapes (e.g. the previous pass's, donated) to write the snapshots into, in place.
+        head False: no LM head (logits None; the caller computes the rows it needs, `head_row`)."""
         hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent", tree, into=into)
-        return self.lm_head(hidden, n_valid), hidden, state, snapshots
+        return self.lm_head(hidden, n_valid) if head else None, hidden, state, snapshots
+
+    def head_row(self, hidden, r):
+        """The LM head on row r of hidden [T, D] -> logits [V]: a 2-row bucket (row 1 padding, not
+        computed), so its bits are those of row r in any product of the head (`quant.matmul`)."""
+        row = jax.lax.dynamic_index_in_dim(hidden, r, keepdims=True)
+        return self.lm_head(jnp.concatenate([row, row]), 1)[0]
 
     def step(self, state, tokens, start, n_valid):
         """`rows` for a decode step (row 0 valid, row 1 padding; n_valid 0: no row), keeping only the state

@@ -3,7 +3,8 @@ device after the prefill (`drive`), whose pass body each strategy supplies (`str
 decode loop; `strategies.chain`: the MTP chain loop, draft, verify, accept, rollback, emit, stop;
 `strategies.tree`: the MTP tree loop, over the traced tree logic of `tree_device`). Here: the output
 buffer's size (`out_slots`), the stop codes (`STOP_REASONS`, `stop_code`, `first_token`, `pass_stop`),
-the EOS array, the sampling rule (`picker`, `row_targets`) and the jit of a loop (`jit_loop`; the
+the EOS array, the sampling rule (`picker`, `row_targets`, and `lazy_walk`, which computes a pass's LM-head
+rows one at a time, only those its acceptance reaches) and the jit of a loop (`jit_loop`; the
 strategies keep their programs with `compiled.derived_cache`).
 
 Each strategy's host loop is the sequential reference; its device loop runs the same jitted step
@@ -97,6 +98,29 @@ def row_targets(greedy: bool, sampling, logits, greedy_rows, n_out, depth: Calla
     pick = picker(greedy, sampling)
     index = n_out - 1  # generated index of the certain token
     return jnp.stack([pick(logits[r], index + depth(r) + 1) for r in range(n_rows)])
+
+
+def lazy_walk(head_row: Callable, target_of: Callable, child_of: Callable, n_rows: int, max_steps: int):
+    """A pass's acceptance with the LM head computed row by row (`RunConfig.verify_head` "lazy"): from row
+    0, the row's logits (`head_row(r)` -> [V]) give its target token (`target_of(logits, r)`); the walk
+    moves to the row whose draft holds that token (`child_of(r, token)` -> (found, row); a chain: r + 1,
+    a tree: the child of r), at most max_steps times. Only the walked rows' head is computed; each has the
+    bits it has in a full head product, so the walk accepts what `row_targets` and the full acceptance
+    would. Returns (path [n_rows]: the walked rows, root first, zero-padded; a, the accepted drafts;
+    the last row; target [n_rows]: the walked rows' tokens, 0 elsewhere)."""
+
+    def body(s):
+        cur, a, path, target, _ = s
+        tok = target_of(head_row(cur), cur)
+        target = target.at[cur].set(tok)
+        found, nxt = child_of(cur, tok)
+        found = found & (a < max_steps)
+        path = jnp.where(found, path.at[jnp.minimum(a + 1, n_rows - 1)].set(nxt), path)
+        return jnp.where(found, nxt, cur), a + found.astype(jnp.int32), path, target, found
+
+    zi, zeros = jnp.int32(0), jnp.zeros((n_rows,), jnp.int32)
+    cur, a, path, target, _ = jax.lax.while_loop(lambda s: s[4], body, (zi, zi, zeros, zeros, jnp.bool_(True)))
+    return path, a, cur, target
 
 
 def pass_stop(emit, a, n_out, P, rows, eos, max_new, max_context):

@@ -127,6 +127,9 @@ def _step_fns(graph: Graph) -> dict:
     def head(params, cache, hidden):
         return merge(params, cache).lm_head(hidden)
 
+    def head_row(params, cache, hidden, r):
+        return merge(params, cache).head_row(hidden, r)
+
     def decode(params, cache, state, token, pos, live=True):
         # live False (a finished sequence of a batch, `runtime.batch`): row 0 is padding too, so the
         # step computes no product row and reads no expert; its results are discarded.
@@ -142,30 +145,40 @@ def _step_fns(graph: Graph) -> dict:
     def commit(state, snaps, index):
         return select_snapshot(state, snaps, index)
 
-    def commit_verify(params, cache, state, snaps, index, tokens, pos, n_valid):
+    def commit_verify(params, cache, state, snaps, index, tokens, pos, n_valid, head=True):
         # The previous pass's snapshots (donated) are read by the commit, then rewritten in place.
-        v, cache = verify(params, cache, commit(state, snaps, index), tokens, pos, n_valid, into=snaps)
-        return Pass(v.logits, jnp.argmax(v.logits, axis=-1).astype(jnp.int32), v.hidden, v.state, v.snaps), cache
+        model = merge(params, cache)
+        logits, hidden, state, snaps = model.rows(commit(state, snaps, index), tokens, pos, n_valid, into=snaps,
+                                                  head=head)
+        return _pass(logits, hidden, state, snaps), cache_out(model)
 
     def tree_commit_verify(params, cache, state, snaps, index, prev_pos, path, n_path, tokens, pos, n_valid,
-                           depth, parent, anc):
+                           depth, parent, anc, head=True):
         state = move_kv_rows(commit(state, snaps, index), prev_pos + path, prev_pos, n_path)
         model = merge(params, cache)
         tree = TreeRows(depth, parent, pos + jnp.arange(tokens.shape[0], dtype=jnp.int32), pos + anc)
-        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, into=snaps)
-        return Pass(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), hidden, state, snaps), cache_out(model)
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, into=snaps, head=head)
+        return _pass(logits, hidden, state, snaps), cache_out(model)
 
     return dict(
         # keep_unused: a commit replaces the state's GDN entries by snapshots without reading them; kept
         # as (donated) arguments, their buffers take the committed state in place of fresh allocations.
-        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True)),
+        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True,
+                                                     static_argnames=("head",))),
         prefill=(prefill, dict(donate_argnums=(1, 2), static_argnames=("gdn", "with_q"))),
         head=(head, {}),
+        head_row=(head_row, {}),
         decode=(decode, dict(donate_argnums=(1, 2))),
         verify=(verify, dict(donate_argnums=(1, 2))),
         commit=(commit, dict(donate_argnums=(0,), keep_unused=True)),
-        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True)),
+        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True, static_argnames=("head",))),
     )
+
+
+def _pass(logits, hidden, state, snaps) -> Pass:
+    """A trunk pass's outputs; without the LM head (logits None) no greedy rows either."""
+    greedy = None if logits is None else jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return Pass(logits, greedy, hidden, state, snaps)
 
 
 class Runtime:
@@ -182,6 +195,10 @@ class Runtime:
         self.prefill_buckets = self.run.prefill_buckets
         # params: the model's arrays, flat; cache: expert residency state, replaced after every step
         self.graph, self.params, self.cache = split(model, ExpertCache)
+        # The device loop's verify head (`RunConfig.verify_head`): lazy where ggml computes the head, whose
+        # rows cost their arithmetic even in one product (CPU); a GPU reads the head once for all rows.
+        on_ggml = all(p.kernels == "ggml" for p in model.lm_head.parts())
+        self.lazy_head = self.run.verify_head == "lazy" or (self.run.verify_head == "auto" and on_ggml)
         self._fns = _step_fns(self.graph)
         self._hold = hold(self.graph)
 
@@ -192,10 +209,10 @@ class Runtime:
 
     @property
     def steps(self) -> SimpleNamespace:
-        """The jitted step functions of this model graph (`_step_fns`: prefill, decode, verify, commit,
-        commit_verify, tree_commit_verify), taking (params, cache, ...) explicitly and returning (their
-        named result: `PrefillChunk`, `Step`, `Verified`, `Pass`; the new cache): for programs that nest
-        them, such as the device loop."""
+        """The jitted step functions of this model graph (`_step_fns`: prefill, head, head_row, decode,
+        verify, commit, commit_verify, tree_commit_verify; the two passes take a static head=False for no LM
+        head), taking (params, cache, ...) explicitly and returning (their named result: `PrefillChunk`,
+        `Step`, `Verified`, `Pass`; the new cache): for programs that nest them, such as the device loop."""
         return self._fns
 
     def expert_cache_arrays(self) -> dict[tuple, jax.Array]:

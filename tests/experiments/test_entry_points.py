@@ -60,7 +60,7 @@ COMMANDS = {
     "test_readme_main_command_compares_mtp_off_and_on": ("generate", lambda t: readme_main_command()),
     "test_bench_verify": ("bench_verify", lambda t: [
         "--model=default", "--ks=1", "--repeats=2", "--new_tokens=8", "--max_context=64", "--tree_nodes=2",
-        "--pass_widths=1,2", "--p_mins=0.5", f"--json_out={t / 'verify.jsonl'}"]),
+        "--pass_widths=1,2", "--p_mins=0.5", "--verify_heads=full", f"--json_out={t / 'verify.jsonl'}"]),
     "test_generate_tree": ("generate", lambda t: [
         "--speculative=mtp_tree", "--draft_tokens=2", "--tree_nodes=4", "--max_new_tokens=8", "--max_context=64",
         "--json"]),
@@ -368,7 +368,7 @@ def test_bench_verify(runs, request):
         for key in ("decode_ms", "chain_ms", "tree_ms"):
             _check_spread(r, key, rounds=2)
         assert 1 <= r["experts_per_pass"] <= 4 * r["rows"]  # distinct experts the rows read, per layer
-    pm, recs = recs[7:], recs[:7]  # the --p_mins row after the chain and tree rows
+    pm, vh, recs = recs[7:8], recs[8:], recs[:7]  # the --p_mins row after the chain and tree rows, then --verify_heads
     assert [(r["draft_tokens"], r["verify"], r.get("loop")) for r in recs] == [
         (0, None, "host"), (0, None, "device"), (1, "sequential", "host"), (1, "batched", "host"),
         (1, "batched", "device"), (1, "batched", "host"), (1, "batched", "device")]
@@ -384,6 +384,10 @@ def test_bench_verify(runs, request):
     assert [(r["draft_tokens"], r["draft_p_min"]) for r in pm] == [(1, 0.5)] and pm[0]["same_tokens_as_off"]
     assert 0 <= pm[0]["drafts_per_pass"] <= 1 and "p_min rows" in res.stdout
     assert "tree/chain" in res.stdout
+    assert "verify head lazy" in res.stdout and "verify-head rows" in res.stdout  # the default's own mode, then full
+    assert [(r["speculative"], r["verify_head"]) for r in vh] == [("mtp", "full"), ("mtp_tree", "full")]
+    assert all(r["same_tokens_as_off"] and r["vs_own_head"] > 0 for r in vh)
+    assert vh[0]["accepted"] == recs[4]["accepted"] and vh[1]["accepted"] == recs[6]["accepted"]  # same passes
 
 
 def test_generate_tree(runs, request):

@@ -1,11 +1,15 @@
 """The device loop (`sharpi_jax.runtime.device_loop`): one jitted while_loop per generation gives the
 host loop's tokens and stats, bit for bit, for MTP off, the MTP chain and the MTP tree, greedy and
 seeded; stops (EOS inside an accepted run, max_new_tokens, the context end) land where the host loop's
-do; SnapKV.
+do; SnapKV. The verify head (`RunConfig.verify_head`): the default on ggml computes the LM head of the
+walked rows only (lazy), "full" every row; both, and lazy on XLA, give the host loop's tokens, and the
+lazy program has no full-width head product.
 
 Fast tier: the embedded default model and one fixture file; slow: every fixture file."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -14,6 +18,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.model.snapkv import policy
 from sharpi_jax.runtime.device_loop import out_slots
 from sharpi_jax.runtime.sampling import SamplingParams
+from sharpi_jax.runtime.strategies import chain, tree
 from sharpi_jax.runtime.strategies.chain import generate_mtp, generate_mtp_device
 from sharpi_jax.runtime.strategies.plain import generate_ids, generate_ids_device
 from sharpi_jax.runtime.strategies.tree import generate_tree, generate_tree_device
@@ -131,6 +136,92 @@ def test_engine_generate_loop_option(default_engine):
     assert seq.stats.speed.loop == "host" and seq.tokens == dev.tokens  # sequential verify is the host reference
     with pytest.raises(InputError, match="loop must be one of"):
         e.generate("x", loop="gpu")
+
+
+def _device_runs(e, prompt, n, sampling) -> dict:
+    return dict(chain=generate_mtp_device(e.runtime, e.mtp, prompt, n, sampling, (), 3),
+                tree=generate_tree_device(e.runtime, e.mtp, prompt, n, sampling, (), 3, 8))
+
+
+def test_full_verify_head_gives_the_lazy_loops_tokens(default_engine, monkeypatch):
+    """verify_head "full" (every verify row's head in the pass) gives the tokens and pass stats of the
+    default lazy head (which the tests above hold to the host loop), chain and tree, greedy and seeded."""
+    e = default_engine
+    assert e.runtime.lazy_head
+    prompt = e.tokenizer.encode("def fibonacci(n):\n")
+    lazy = {s: _device_runs(e, prompt, 40, s) for s in (GREEDY, SEEDED)}
+    monkeypatch.setattr(e.runtime, "lazy_head", False)
+    for sampling, runs in lazy.items():
+        for mode, (tokens, stats) in _device_runs(e, prompt, 40, sampling).items():
+            assert tokens == runs[mode][0], (mode, sampling)
+            for key in SHARED[:2] + (PASSES if mode == "chain" else TREE_PASSES):
+                assert stats[key] == runs[mode][1][key], (mode, key)
+            assert 0 < stats["accepted"] < stats["drafted"]
+
+
+def test_verify_head_option():
+    """`verify_head` resolves at load: auto is lazy on ggml's head only; a bad value is a one-line error."""
+    assert sj.load(max_context=64).runtime.lazy_head
+    assert not sj.load(max_context=64, verify_head="full").runtime.lazy_head
+    assert not sj.load(max_context=64, kernels="xla").runtime.lazy_head
+    assert sj.load(max_context=64, run=sj.RunConfig(kernels="xla", verify_head="lazy")).runtime.lazy_head
+    with pytest.raises(InputError, match="verify_head must be one of"):
+        sj.load(max_context=64, verify_head="sometimes")
+
+
+def test_lazy_verify_head_on_xla_equals_the_host_loop():
+    """Lazy forced on XLA, whose float head computes a 2-row bucket per walked row (M >= 2 keeps a row's
+    bits): the host loop's tokens, the tree (the walk over children) seeded."""
+    with sj.load(max_context=256, kernels="xla", verify_head="lazy") as e:
+        prompt = e.tokenizer.encode("def fibonacci(n):\n")
+        check(e, prompt, 24, SEEDED, modes=("tree",))
+
+
+_LOOPS = {chain: chain.jitted_loop, tree: tree.jitted_loop}
+
+
+class _Lowered(Exception):
+    pass
+
+
+def _head_products(monkeypatch, e, module, run) -> list[tuple[int, int]]:
+    """The [rows, n_vocab] ggml products in the program of `module.jitted_loop` that `run()` dispatches."""
+    texts, build = [], _LOOPS[module]
+
+    def spy(*fns):
+        fn = build(*fns)
+
+        def call(*args, **kwargs):
+            texts.append(fn.lower(*args, **kwargs).as_text())
+            raise _Lowered  # the program's text is all this needs: no compile, no run
+        return call
+
+    monkeypatch.setattr(module, "jitted_loop", spy)
+    with pytest.raises(_Lowered):
+        run()
+    V = e.config.n_vocab
+    (text,) = texts
+    calls = [line for line in text.splitlines() if "sharpi_ggml_matmul" in line and "custom_call" in line]
+    return [(int(m), V) for line in calls for m in re.findall(rf"tensor<(\d+)x{V}xf32>", line.split("->")[-1])]
+
+
+def test_lazy_verify_head_computes_one_head_row_at_a_time(default_engine, monkeypatch):
+    """The lever itself: with the default (lazy on ggml) the chain's and the tree's loop programs hold no
+    trunk head product of the pass's width ([K + 1, V] for the chain, [N + 1, V] for the tree), only the
+    2-row bucket of one walked row (row 1 not computed), while "full" holds the pass-wide one. (The MTP
+    drafter's own head products, the same matrix, are the same in both.)"""
+    e = default_engine
+    assert e.runtime.lazy_head
+    prompt, V = e.tokenizer.encode("def f(x):\n"), e.config.n_vocab
+    runs = dict(chain=(chain, lambda: generate_mtp_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), 3)),
+                tree=(tree, lambda: generate_tree_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), 3, 8)))
+    lazy = {name: _head_products(monkeypatch, e, *run) for name, run in runs.items()}
+    monkeypatch.setattr(e.runtime, "lazy_head", False)
+    full = {name: _head_products(monkeypatch, e, *run) for name, run in runs.items()}
+    for name, width in (("chain", 4), ("tree", 9)):
+        assert (width, V) in full[name] and (width, V) not in lazy[name], (name, full[name], lazy[name])
+        assert (2, V) in lazy[name]
+        assert set(full[name]) - {(width, V)} <= set(lazy[name])  # only the pass's head changed
 
 
 def test_out_slots():

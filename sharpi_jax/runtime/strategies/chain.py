@@ -23,8 +23,8 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction
 from sharpi_jax.runtime.compiled import derived_cache
 from sharpi_jax.runtime.decoder import generate_passes
-from sharpi_jax.runtime.device_loop import (STOP_REASONS, drive, eos_array, first_token, jit_loop, out_slots,
-                                            pass_stop, row_targets)
+from sharpi_jax.runtime.device_loop import (STOP_REASONS, drive, eos_array, first_token, jit_loop, lazy_walk,
+                                            out_slots, pass_stop, picker, row_targets)
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.mtp import MTPRuntime
@@ -67,7 +67,8 @@ def generate_mtp(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_n
 
 class _Loop(NamedTuple):
     """What the chain loop's passes read besides the carry: the step functions, their params, the run's
-    scalars (device arrays) and its static K (verify rows K + 1) and greedy; rows = arange(K + 1)."""
+    scalars (device arrays) and its static K (verify rows K + 1) and greedy; rows = arange(K + 1);
+    head_row: the LM head on one row (`RunConfig.verify_head` lazy), None: the pass computes every row's."""
 
     commit_verify: Callable
     draft: Callable
@@ -84,6 +85,7 @@ class _Loop(NamedTuple):
     K: int
     greedy: bool
     rows: Any
+    head_row: Callable | None
 
 
 def _init(e: _Loop, cache, state, mtp_cache, logits, h_last, P, sampling, out) -> dict:
@@ -114,7 +116,7 @@ def _draft_verify(e: _Loop, c: dict) -> tuple:
                                               jnp.maximum(n_draft, 1), e.vocab, e.p_min, live)
     n_draft = jnp.minimum(n_draft, n_made)  # draft_p_min may stop the chain early
     v, cache = e.commit_verify(e.params, c["cache"], c["state"], c["snaps"], c["a_prev"], vtokens, P,
-                               (n_draft + 1) * live)
+                               (n_draft + 1) * live, head=e.head_row is None)
     return vtokens, mtp_cache, h_t, n_draft, v, cache
 
 
@@ -123,9 +125,15 @@ def _body(e: _Loop, c: dict) -> dict:
     K, rows, P = e.K, e.rows, c["P"]
     vtokens, mtp_cache, h_t, n_draft, v, cache = _draft_verify(e, c)
     logits, greedy_rows, hidden, state, snaps = v
-    target = row_targets(e.greedy, c["sampling"], logits, greedy_rows, c["n_out"], lambda r: r, K + 1)
-    match = (rows[:K] < n_draft) & (target[:K] == vtokens[1:])
-    a = jnp.sum(jnp.cumprod(match.astype(jnp.int32)))
+    if e.head_row is None:
+        target = row_targets(e.greedy, c["sampling"], logits, greedy_rows, c["n_out"], lambda r: r, K + 1)
+        match = (rows[:K] < n_draft) & (target[:K] == vtokens[1:])
+        a = jnp.sum(jnp.cumprod(match.astype(jnp.int32)))
+    else:  # the head of rows 0..a only (a: the accepted drafts), one row at a time
+        pick, index = picker(e.greedy, c["sampling"]), c["n_out"] - 1
+        _, a, _, target = lazy_walk(
+            lambda r: e.head_row(e.params, cache, hidden, r), lambda logits_r, r: pick(logits_r, index + r + 1),
+            lambda r, tok: ((r < n_draft) & (vtokens[jnp.minimum(r + 1, K)] == tok), r + 1), K + 1, K)
     # Emit target[0..a] (the accepted drafts are the targets of their rows) up to a stop.
     n_out = c["n_out"]
     stop, any_stop, j, P_new = pass_stop(target, a, n_out, P, rows, e.eos, e.max_new, e.max_context)
@@ -147,15 +155,15 @@ def _fin(c: dict) -> tuple:
 
 
 @derived_cache
-def jitted_loop(commit_verify, draft, batch: bool = False):
+def jitted_loop(commit_verify, draft, batch: bool = False, head_row=None):
     """The jitted MTP chain loop over one model graph's `commit_verify` and one head's `draft` (batch: over
-    a batch of sequences)."""
+    a batch of sequences; head_row: that graph's `head_row` for a lazy LM head, one sequence only)."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, mtp_off, k, max_new, max_context,
             slot_room, eos, sampling, out, vocab, p_min, K, greedy):
         rows = jnp.arange(K + 1, dtype=jnp.int32)
         e = _Loop(commit_verify, draft, params, mtp_params, mtp_off, k, max_new, max_context, slot_room, eos, vocab,
-                  p_min, K, greedy, rows)
+                  p_min, K, greedy, rows, head_row)
         return drive(functools.partial(_init, e, cache), functools.partial(_body, e), _fin,
                      (state, mtp_cache, logits, h_last, P, sampling, out), batch)
 
@@ -180,7 +188,8 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         tokens, stop, counts = [], "max_new_tokens", None
     else:
         slot_room = dec.last_position()  # slot_room - P: the drafts the caches' slots still hold
-        fn = jitted_loop(runtime.steps.commit_verify, mtp.draft_fn)
+        fn = jitted_loop(runtime.steps.commit_verify, mtp.draft_fn, False,
+                         runtime.steps.head_row if runtime.lazy_head else None)
         out, n, code, end, counts, runtime.cache = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(dec.mtp_offset), np.int32(dec.k), np.int32(max_new_tokens),

@@ -17,8 +17,8 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction, tree_device
 from sharpi_jax.runtime.compiled import derived_cache
 from sharpi_jax.runtime.decoder import generate_passes
-from sharpi_jax.runtime.device_loop import (STOP_REASONS, drive, eos_array, first_token, jit_loop, out_slots,
-                                            pass_stop, row_targets)
+from sharpi_jax.runtime.device_loop import (STOP_REASONS, drive, eos_array, first_token, jit_loop, lazy_walk,
+                                            out_slots, pass_stop, picker, row_targets)
 from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.mtp import MTPRuntime
 from sharpi_jax.runtime.passes import pass_counts, pass_stats
@@ -57,7 +57,8 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
 class _Loop(NamedTuple):
     """What the tree loop's passes read besides the carry: the step functions, their params, the run's
     scalars (device arrays), its static depth K, nodes N, branching and greedy; T = N + 1 trunk rows, S
-    where the MTP cache's slots end (as a position), rows = arange(T), krows = arange(K + 1)."""
+    where the MTP cache's slots end (as a position), rows = arange(T), krows = arange(K + 1); head_row: the
+    LM head on one row (`RunConfig.verify_head` lazy), None: the pass computes every row's."""
 
     tree_commit_verify: Callable
     root: Callable
@@ -76,6 +77,7 @@ class _Loop(NamedTuple):
     S: Any
     rows: Any
     krows: Any
+    head_row: Callable | None
 
 
 def _init(e: _Loop, cache, state, mtp_cache, logits, h_last, P, sampling, out) -> dict:
@@ -106,7 +108,7 @@ def _draft_verify(e: _Loop, c: dict) -> tuple:
         c["n_pend"] + 1, depth, n_nodes, K=e.K, N=e.N, c=e.branching, S=e.S)
     tdepth, tparent, anc = tree_device.tree_arrays(tp, n)
     v, cache = e.tree_commit_verify(e.params, c["cache"], c["state"], c["snaps"], c["node"], c["prev"],
-                                    c["path"], c["n_path"], tt, P, n, tdepth, tparent, anc)
+                                    c["path"], c["n_path"], tt, P, n, tdepth, tparent, anc, head=e.head_row is None)
     return tt, tparent, tdepth, n, mtp_cache, h_t, v, cache
 
 
@@ -115,8 +117,19 @@ def _body(e: _Loop, c: dict) -> dict:
     K, P = e.K, c["P"]
     tt, tparent, tdepth, n, mtp_cache, h_t, v, cache = _draft_verify(e, c)
     logits, greedy_rows, hidden, state, snaps = v
-    target = row_targets(e.greedy, c["sampling"], logits, greedy_rows, c["n_out"], lambda r: tdepth[r], e.T)
-    path, a, last = tree_device.accept_path(tt, tparent, n, target, K)
+    if e.head_row is None:
+        target = row_targets(e.greedy, c["sampling"], logits, greedy_rows, c["n_out"], lambda r: tdepth[r], e.T)
+        path, a, last = tree_device.accept_path(tt, tparent, n, target, K)
+    else:  # the head of the walked path's nodes only, one at a time
+        pick, index = picker(e.greedy, c["sampling"]), c["n_out"] - 1
+
+        def child(r, tok):
+            m = (e.rows < n) & (tparent == r) & (tt == tok)
+            return jnp.any(m), jnp.argmax(m).astype(jnp.int32)
+
+        path, a, last, target = lazy_walk(lambda r: e.head_row(e.params, cache, hidden, r),
+                                          lambda logits_r, r: pick(logits_r, index + tdepth[r] + 1), child, e.T,
+                                          min(K, e.T - 1))
     emit = target[path]  # row r <= a: the target's token at the path's node r
     n_out = c["n_out"]
     stop, any_stop, j, P_new = pass_stop(emit, a, n_out, P, e.rows, e.eos, e.max_new, e.max_context)
@@ -137,9 +150,10 @@ def _fin(c: dict) -> tuple:
 
 
 @derived_cache
-def jitted_loop(tree_commit_verify, root, level, batch: bool = False):
+def jitted_loop(tree_commit_verify, root, level, batch: bool = False, head_row=None):
     """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls
-    (batch: over a batch of sequences; a stopped sequence's passes still compute, their rows not padding)."""
+    (batch: over a batch of sequences; a stopped sequence's passes still compute, their rows not padding;
+    head_row: that graph's `head_row` for a lazy LM head, one sequence only)."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, slot_room, eos,
             sampling, out, K, N, c, greedy):
@@ -149,7 +163,7 @@ def jitted_loop(tree_commit_verify, root, level, batch: bool = False):
         rows = jnp.arange(T, dtype=jnp.int32)
         krows = jnp.arange(K + 1, dtype=jnp.int32)
         e = _Loop(tree_commit_verify, root, level, params, mtp_params, max_new, max_context, slot_room, eos, K, N, c,
-                  greedy, T, S, rows, krows)
+                  greedy, T, S, rows, krows, head_row)
         return drive(functools.partial(_init, e, cache), functools.partial(_body, e), _fin,
                      (state, mtp_cache, logits, h_last, P, sampling, out), batch)
 
@@ -172,7 +186,8 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
     if max_new_tokens <= 0:
         tokens, stop = [], "max_new_tokens"
     else:
-        fn = jitted_loop(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level)
+        fn = jitted_loop(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level, False,
+                         runtime.steps.head_row if runtime.lazy_head else None)
         slot_room = dec.last_position()  # as the chain: slot_room - P = the nodes the slots still hold
         out, n, code, end, counts, runtime.cache = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
