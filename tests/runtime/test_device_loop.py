@@ -174,7 +174,8 @@ def test_lazy_verify_head_on_xla_equals_the_host_loop():
     bits): the host loop's tokens, the tree (the walk over children) seeded."""
     with sj.load(max_context=256, kernels="xla", verify_head="lazy") as e:
         prompt = e.tokenizer.encode("def fibonacci(n):\n")
-        check(e, prompt, 24, SEEDED, modes=("tree",))
+        runs = check(e, prompt, 24, SEEDED, modes=("tree",))
+        assert 0 < runs["tree"][1]["accepted"] < runs["tree"][1]["drafted"]  # the walk goes down and stops
 
 
 _LOOPS = {chain: chain.jitted_loop, tree: tree.jitted_loop}
