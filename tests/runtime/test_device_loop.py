@@ -138,25 +138,23 @@ def test_engine_generate_loop_option(default_engine):
         e.generate("x", loop="gpu")
 
 
-def _device_runs(e, prompt, n, sampling) -> dict:
-    return dict(chain=generate_mtp_device(e.runtime, e.mtp, prompt, n, sampling, (), 3),
-                tree=generate_tree_device(e.runtime, e.mtp, prompt, n, sampling, (), 3, 8))
-
-
 def test_full_verify_head_gives_the_lazy_loops_tokens(default_engine, monkeypatch):
     """verify_head "full" (every verify row's head in the pass) gives the tokens and pass stats of the
-    default lazy head (which the tests above hold to the host loop), chain and tree, greedy and seeded."""
+    default lazy head (which the tests above hold to the host loop): the chain greedy, the tree seeded.
+    (Batches of sequences run the full head too: `tests/runtime/test_batch.py` holds them to these loops.)"""
     e = default_engine
     assert e.runtime.lazy_head
     prompt = e.tokenizer.encode("def fibonacci(n):\n")
-    lazy = {s: _device_runs(e, prompt, 40, s) for s in (GREEDY, SEEDED)}
+    runs = dict(chain=lambda: generate_mtp_device(e.runtime, e.mtp, prompt, 40, GREEDY, (), 3),
+                tree=lambda: generate_tree_device(e.runtime, e.mtp, prompt, 40, SEEDED, (), 3, 8))
+    lazy = {mode: run() for mode, run in runs.items()}
     monkeypatch.setattr(e.runtime, "lazy_head", False)
-    for sampling, runs in lazy.items():
-        for mode, (tokens, stats) in _device_runs(e, prompt, 40, sampling).items():
-            assert tokens == runs[mode][0], (mode, sampling)
-            for key in SHARED[:2] + (PASSES if mode == "chain" else TREE_PASSES):
-                assert stats[key] == runs[mode][1][key], (mode, key)
-            assert 0 < stats["accepted"] < stats["drafted"]
+    for mode, run in runs.items():
+        tokens, stats = run()
+        assert tokens == lazy[mode][0], mode
+        for key in SHARED[:2] + (PASSES if mode == "chain" else TREE_PASSES):
+            assert stats[key] == lazy[mode][1][key], (mode, key)
+        assert 0 < stats["accepted"] < stats["drafted"]
 
 
 def test_verify_head_option():
