@@ -40,10 +40,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "lazy_head_tree_walks_any_row",
-        "device loop == host loop (tree): the lazy walk moves to a child of the walked node only",
-        "sharpi_jax/runtime/strategies/tree.py",
-        (("            m = (e.rows < n) & (tparent == r) & (tt == tok)\n",
-          "            m = (e.rows < n) & (e.rows > r) & (tt == tok)  # MUTATION: any later row holding the token\n"),),
+        "device loop == host loop (tree): the walk (lazy or full) moves to a child of the walked node only",
+        "sharpi_jax/runtime/tree_device.py",
+        (("    m = (jnp.arange(tokens.shape[0], dtype=jnp.int32) < n) & (parent == r) & (tokens == token)\n",
+          "    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)  # MUTATION: any later row holding the token\n"
+          "    m = (rows < n) & (rows > r) & (tokens == token)\n"),),
         ("tests/runtime/test_device_loop.py::test_greedy_and_seeded_equal_host_loop",),
     ),
     Mutation(

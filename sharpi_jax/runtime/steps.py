@@ -120,8 +120,7 @@ def _step_fns(graph: Graph) -> dict:
         model = merge(params, cache)
         hidden, state, *queries = model.prefill(state, tokens, start, n_valid, gdn, with_q)
         queries = tuple(queries[0]) if with_q else ()  # with_q: the attention layers' queries, flat
-        last = jax.lax.dynamic_index_in_dim(hidden, jnp.maximum(n_valid - 1, 0), keepdims=True)
-        logits = model.lm_head(jnp.concatenate([last, last]), 1)[0]  # 2 rows (row 1 padding): row-stable
+        logits = model.head_row(hidden, jnp.maximum(n_valid - 1, 0))  # the last valid row's
         return PrefillChunk(hidden, logits, state, queries), cache_out(model)
 
     def head(params, cache, hidden):

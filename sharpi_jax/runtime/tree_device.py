@@ -166,17 +166,21 @@ def tree_arrays(parent, n_valid):
     return jax.lax.fori_loop(1, T, row, (depth, par, anc))
 
 
+def child_holding(tokens, parent, n, r, token):
+    """(whether a valid node whose parent is row r holds token, the first such node's row)."""
+    m = (jnp.arange(tokens.shape[0], dtype=jnp.int32) < n) & (parent == r) & (tokens == token)
+    return jnp.any(m), jnp.argmax(m).astype(jnp.int32)
+
+
 def accept_path(tokens, parent, n, target, K: int):
     """The longest root path whose every node holds the target's token at its parent (`TreeDecoder._accept`).
     Returns (path [T] node rows, root first, zero-padded; accepted a = len(path) - 1; its last node)."""
     T = tokens.shape[0]
-    rows = jnp.arange(T, dtype=jnp.int32)
     path = jnp.zeros((T,), jnp.int32)
     cur, a, alive = jnp.int32(0), jnp.int32(0), jnp.bool_(True)
     for step in range(min(K, T - 1)):
-        m = alive & (rows < n) & (parent == cur) & (tokens == target[cur])
-        found = jnp.any(m)
-        nxt = jnp.argmax(m).astype(jnp.int32)
+        found, nxt = child_holding(tokens, parent, n, cur, target[cur])
+        found = alive & found
         path = path.at[step + 1].set(jnp.where(found, nxt, 0))
         cur = jnp.where(found, nxt, cur)
         a = a + found.astype(jnp.int32)

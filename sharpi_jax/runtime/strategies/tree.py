@@ -122,13 +122,9 @@ def _body(e: _Loop, c: dict) -> dict:
         path, a, last = tree_device.accept_path(tt, tparent, n, target, K)
     else:  # the head of the walked path's nodes only, one at a time
         pick, index = picker(e.greedy, c["sampling"]), c["n_out"] - 1
-
-        def child(r, tok):
-            m = (e.rows < n) & (tparent == r) & (tt == tok)
-            return jnp.any(m), jnp.argmax(m).astype(jnp.int32)
-
         path, a, last, target = lazy_walk(lambda r: e.head_row(e.params, cache, hidden, r),
-                                          lambda logits_r, r: pick(logits_r, index + tdepth[r] + 1), child, e.T,
+                                          lambda logits_r, r: pick(logits_r, index + tdepth[r] + 1),
+                                          functools.partial(tree_device.child_holding, tt, tparent, n), e.T,
                                           min(K, e.T - 1))
     emit = target[path]  # row r <= a: the target's token at the path's node r
     n_out = c["n_out"]
