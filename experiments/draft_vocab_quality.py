@@ -18,6 +18,8 @@ calibrated ranking into `sharpi_jax/assets/`, where `generate(draft_vocab=N)` fi
 
 Acceptance is deterministic (greedy). Every run's tokens are checked equal to the full head's (a draft
 vocabulary is lossless). Per size and set: accepted / drafted and the relative gap (full - N) / full.
+The evaluation prompts run --batch at a time through `generate_batch` (`experiments.batches`): the same
+tokens and figures as one prompt at a time, in one device loop per group.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from experiments import batches
 from experiments.presets import HELD_OUT_SOURCES, PYTHON_PROMPTS, REPO_ROOT, resolve_model
 
 FLAGS = flags.FLAGS
@@ -51,6 +54,8 @@ flags.DEFINE_integer("max_context", 512, "KV positions.")
 flags.DEFINE_bool("oracle", False, "Also rank by a calibration on the evaluation prompts themselves (an upper bound).")
 flags.DEFINE_bool("install", False, "Write the embedded model's calibrated ranking into sharpi_jax/assets/.")
 flags.DEFINE_string("out", "results/draft_vocab_quality.json", "JSON output (overwritten).")
+flags.DEFINE_integer("batch", 8, "Evaluation prompts per generate_batch call (1: one generate per prompt; the "
+                     "figures are the same, the time is not).", lower_bound=1)
 
 TRAIN_PRESET = REPO_ROOT / "configs" / "train" / "tiny.json"
 
@@ -94,9 +99,8 @@ def prompt_sets(tokenizer) -> tuple[dict[str, list[list[int]]], list[list[int]],
 def acceptance(engine, prompts: list[list[int]], draft_vocab: int | None) -> dict:
     accepted = drafted = passes = 0
     tokens = []
-    for ids in prompts:
-        out = engine.generate(ids, max_new_tokens=FLAGS.new_tokens, speculative="mtp",
-                              draft_tokens=FLAGS.draft_tokens, draft_vocab=draft_vocab)
+    for out in batches.generate_grouped(engine, prompts, FLAGS.batch, max_new_tokens=FLAGS.new_tokens,
+                                        speculative="mtp", draft_tokens=FLAGS.draft_tokens, draft_vocab=draft_vocab):
         accepted += out.stats.speculation.accepted
         drafted += out.stats.speculation.drafted
         passes += out.stats.speculation.verify_passes
@@ -118,6 +122,7 @@ def measure(name: str, tmp: Path) -> dict:
     sets, calib, where = prompt_sets(engine.tokenizer)
     sizes = [int(s) for s in FLAGS.sizes]
     rec = {"model": name, "file": str(src), "draft_tokens": FLAGS.draft_tokens, "new_tokens": FLAGS.new_tokens,
+           "batch": FLAGS.batch,
            "sets": {k: len(v) for k, v in sets.items()}, "results": {}}
     print(f"\n{name}: k = {FLAGS.draft_tokens}, {FLAGS.new_tokens} tokens per prompt; evaluation sets: "
           + ", ".join(f"{k} {len(v)} prompts" for k, v in sets.items()), flush=True)

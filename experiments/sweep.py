@@ -10,7 +10,10 @@ the results), and `grid`: a dict of option -> list of values. Options that `sj.l
 (max_context, expert_budget, expert_budget_frac, expert_policy, expert_mode, ...) reload the model;
 the rest go to `engine.generate`. expert_budget is bytes or a string ("8GiB", "25%");
 expert_budget_frac is a share of all routed-expert bytes (0.25). Points that differ only in options a
-mode ignores (draft_tokens without speculation) are run once.
+mode ignores (draft_tokens without speculation) are run once. `batch` (or --batch): B > 1 runs a point's
+prompts B at a time as one `engine.generate_batch` (one device loop; each sequence's tokens and pass
+stats are those of generating it alone), so a cell is a group of prompts; not with an expert budget, KV
+eviction, loop="host" or verify="sequential" (refused when the sweep starts).
 
 Timing (experiments.timing): every cell (model, point, prompt) first runs once unrecorded (compilation
 excluded), then `repeats` rounds (--repeats, else the config's, else 3) run every cell once each, in
@@ -22,8 +25,9 @@ Each record: the sweep name, model, point options, prompt index, `repeats`, and 
 flattened (decode_tok_s, prefill_tok_s, acceptance, expert reads, ...). Every timing field is the
 median over the rounds with `<field>_min` / `<field>_max` beside it, and `<field>_runs` (the per-round
 values) for the tokens/s fields; other numbers that vary between rounds (an lru hit rate) get the same
-treatment. `python -m experiments.plot` draws the standard figures from them, with the spread as error
-bars.
+treatment. With batch > 1 a record also holds `batch` (its group's size) and `batch_decode_tok_s`, and
+its `decode_tok_s` is its group's: all the group's tokens over the group's decode seconds. `python -m
+experiments.plot` draws the standard figures from them, with the spread as error bars.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any, Iterator
 
 from absl import app, flags
 
+from experiments import batches
 from experiments.cli import reports_bad_input
 from experiments.presets import PYTHON_PROMPTS
 from experiments.timing import fmt_spread, interleaved, line_buffered, put_spread
@@ -46,6 +51,8 @@ flags.DEFINE_string("out", None, "Output JSONL (default: results/<name>.jsonl)."
 flags.DEFINE_bool("quiet", False, "No progress lines.")
 flags.DEFINE_integer("repeats", None, "Timed rounds per cell, interleaved (default: the config's `repeats`, else 3).",
                      lower_bound=1)
+flags.DEFINE_integer("batch", None, "Prompts per generate_batch call (default: the config's `batch`, else 1: one "
+                     "generate per prompt).", lower_bound=1)
 
 LOAD_OPTIONS = frozenset({"max_context", "expert_budget", "expert_budget_frac", "expert_policy", "expert_mode",
                           "prefill_buckets", "row_kernel", "gdn_chunk"})
@@ -67,7 +74,32 @@ def load_config(path: str | Path) -> dict[str, Any]:
             raise InputError(f"sweep config {path}: missing key {key!r}")
     if not isinstance(cfg["grid"], dict) or not all(isinstance(v, list) and v for v in cfg["grid"].values()):
         raise InputError(f"sweep config {path}: 'grid' must map option names to non-empty lists")
+    b = cfg.get("batch", 1)
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise InputError(f"sweep config {path}: 'batch' must be an integer >= 1, got {b!r}")
     return cfg
+
+
+# What one generate_batch call cannot run (Engine.generate_batch refuses them): checked before any load.
+BATCH_REFUSED_LOAD = ("expert_budget", "expert_budget_frac", "expert_parallel", "kv_policy")
+
+
+def check_batch(cfg: dict[str, Any], points: list[dict[str, Any]], batch: int) -> None:
+    """With batch > 1, an InputError naming the first option a batch cannot run (an expert budget,
+    expert parallelism, KV eviction, the host loop, sequential verify), before anything is loaded."""
+    if batch == 1:
+        return
+    from sharpi_jax.errors import InputError
+
+    for opts in [cfg.get("load", {})] + points:
+        bad = [k for k in BATCH_REFUSED_LOAD if opts.get(k) is not None]
+        if opts.get("loop") == "host":
+            bad.append("loop='host'")
+        if opts.get("speculative") and opts.get("verify") == "sequential":
+            bad.append("verify='sequential'")
+        if bad:
+            raise InputError(f"sweep {cfg['name']}: batch={batch} runs generate_batch, which cannot run {bad[0]} "
+                             f"(in {json.dumps(opts, sort_keys=True)}); use batch=1 for such points")
 
 
 def resolve_prompts(spec: Any) -> list[str]:
@@ -168,10 +200,12 @@ def _interleave_mode(cfg: dict[str, Any], path: Path) -> str:
     return mode
 
 
-def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | None = None) -> list[dict[str, Any]]:
-    """Run every (model, load options, point, prompt): one unrecorded warm-up run each, then `repeats`
-    (default: the config's, else 3) interleaved rounds over all of them; write one record per (model,
-    point, prompt) with the median and min/max of every timing (`aggregate`) to out_path; return them."""
+def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | None = None,
+              batch: int | None = None) -> list[dict[str, Any]]:
+    """Run every (model, load options, point, prompt group of `batch`, default the config's, else 1): one
+    unrecorded warm-up run each, then `repeats` (default: the config's, else 3) interleaved rounds over
+    all of them; write one record per (model, point, prompt) with the median and min/max of every timing
+    (`aggregate`) to out_path; return them."""
     import sharpi_jax as sj
     from experiments.presets import release_compiled_code, resolve_model
 
@@ -183,6 +217,9 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | Non
         raise InputError(f"repeats must be >= 1, got {repeats}")
     max_new = int(cfg.get("max_new_tokens", 32))
     points = list(grid_points(cfg["grid"]))
+    batch = int(batch if batch is not None else cfg.get("batch", 1))
+    check_batch(cfg, points, batch)
+    groups = [tuple(g) for g in batches.groups(len(prompts), batch)]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     records = []
     t0 = time.perf_counter()
@@ -195,10 +232,10 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | Non
                 load_opts = {k: v for k, v in p.items() if k in LOAD_OPTIONS}
                 by_load.setdefault(json.dumps(load_opts, sort_keys=True), []).append(p)
             mode = _interleave_mode(cfg, path)
-            batches = [list(by_load)] if mode == "all" else [[k] for k in by_load]
-            for batch in batches:
+            held = [list(by_load)] if mode == "all" else [[k] for k in by_load]
+            for load_keys in held:
                 engines = {}
-                for load_key in batch:
+                for load_key in load_keys:
                     load_opts = {**cfg.get("load", {}), **json.loads(load_key)}
                     frac = load_opts.pop("expert_budget_frac", None)
                     if frac is not None:  # a share of all routed-expert bytes (residency.parse_expert_budget)
@@ -206,18 +243,29 @@ def run_sweep(cfg: dict[str, Any], out_path: Path, log=print, repeats: int | Non
                     if counts_path is not None and load_opts.get("expert_budget") is not None:
                         load_opts.setdefault("expert_counts", str(counts_path))
                     engines[load_key] = sj.load(path, **load_opts)
-                cells = [(load_key, point, pi, prompt) for load_key in batch for point in by_load[load_key]
-                         for pi, prompt in enumerate(prompts)]
-                log(f"{model_name}: {len(cells)} cells ({len(batch)} load groups x points x {len(prompts)} "
-                    f"prompts), warm-up + {repeats} interleaved rounds")
+                cells = [(load_key, point, group) for load_key in load_keys for point in by_load[load_key]
+                         for group in groups]
+                log(f"{model_name}: {len(cells)} cells ({len(load_keys)} load groups x points x {len(groups)} "
+                    f"{'prompts' if batch == 1 else f'groups of {batch} prompts'}), warm-up + {repeats} "
+                    "interleaved rounds")
 
-                def run(cell):
-                    load_key, point, _, prompt = cell
+                def run(cell) -> list[dict[str, Any]]:
+                    """The flattened stats of each prompt of the cell's group."""
+                    load_key, point, group = cell
                     gen_opts = {k: v for k, v in point.items() if k not in LOAD_OPTIONS}
-                    return _flatten(engines[load_key].generate(prompt, max_new_tokens=max_new, **gen_opts).stats.to_dict())
+                    eng = engines[load_key]
+                    if batch == 1:
+                        return [_flatten(eng.generate(prompts[group[0]], max_new_tokens=max_new,
+                                                      **gen_opts).stats.to_dict())]
+                    outs = eng.generate_batch([prompts[i] for i in group], max_new_tokens=max_new, **gen_opts)
+                    # The group's decode is shared: its tokens/s is the batch's (all sequences' tokens).
+                    return [{**_flatten(o.stats.to_dict()), "decode_tok_s": o.stats.batch.decode_tok_s}
+                            for o in outs]
 
                 results = interleaved(cells, run, repeats, log=log, what="cells")
-                for (_, point, pi, _), runs in zip(cells, results):
+                per_prompt = [(point, pi, [r[j] for r in runs])
+                              for (_, point, group), runs in zip(cells, results) for j, pi in enumerate(group)]
+                for point, pi, runs in per_prompt:
                     rec = {"sweep": cfg["name"], "model": model_name, **point, "prompt": pi, "repeats": repeats,
                            "time": time.time(), **aggregate(runs)}
                     if "experts.hit_rate" in rec:  # the residency figure's y (experiments.plot)
@@ -242,7 +290,7 @@ def main(argv) -> int:
     cfg = load_config(FLAGS.config)
     out = Path(FLAGS.out or Path("results") / f"{cfg['name']}.jsonl")
     records = run_sweep(cfg, out, log=(lambda *_: None) if FLAGS.quiet else (lambda m: print(m, flush=True)),
-                        repeats=FLAGS.repeats)
+                        repeats=FLAGS.repeats, batch=FLAGS.batch)
     print(f"wrote {len(records)} records to {out}")
     return 0
 

@@ -424,7 +424,8 @@ class Engine:
         Returns one `GenerateOutput` per prompt, in order. With kernels="ggml" (the CPU default) each
         sequence's tokens are bitwise those of `generate` on its prompt alone with its seed. stats: the
         sequence's own, and `stats.batch` (the batch's size and decode time, all sequences' tokens per
-        second of decode, the sequence's seed). Not with an expert budget, expert parallelism or KV eviction."""
+        second of decode, the sequence's seed). Not with an expert budget, expert parallelism, KV eviction,
+        loop="host" or verify="sequential" (the batch is one device loop of batched passes)."""
         template = _template_kwargs(chat_template_kwargs, shortcuts.pop("enable_thinking", None))
         opts = self._typed_options(options, shortcuts)
         self._live()
@@ -435,6 +436,9 @@ class Engine:
             raise InputError("generate_batch: not with expert_parallel yet; generate prompts one at a time")
         if self._kv(opts) is not None:
             raise InputError("generate_batch: not with a KV eviction policy (kv); load without it")
+        if not opts.device_loop:
+            raise InputError(f"generate_batch runs the device loop with batched verify: not with loop={opts.loop!r}, "
+                             f"verify={opts.verify!r}; generate prompts one at a time for those")
         if messages is not None:
             if prompts is not None:
                 raise InputError("give either prompts or messages=[chat, ...], not both")

@@ -64,7 +64,33 @@ def pytest_configure(config):
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
+# Modules whose tests check subprocess runs started in the background when collection ends (their
+# `start_background(session, items)`, `tests.background`), in the order their runs start (longest
+# first). Their tests run last, so that the main process runs every other test meanwhile.
+BACKGROUND_MODULES = ("tests/experts/test_expert_parallel.py", "tests/experiments/test_entry_points.py")
+
+
+def _module_of(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: _module_of(item) in BACKGROUND_MODULES)  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    for module in BACKGROUND_MODULES:
+        items = [item for item in session.items if _module_of(item) == module]
+        if items:
+            items[0].module.start_background(session, items)
+
+
 def pytest_unconfigure(config):
+    from tests import background
+
+    background.shutdown()
     if _COMPILATION_CACHE is not None:
         shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 

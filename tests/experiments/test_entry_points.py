@@ -4,25 +4,24 @@ Timings are never asserted; only that the figures and their spread are there and
 
 The README's main command (the generation part, with --compare) runs here exactly as written.
 
-The runs are subprocesses dominated by single-threaded XLA compilation, so the module starts all the
-selected tests' runs up front, two at a time (`runs`), longest first; each test then checks its own.
+The runs are subprocesses dominated by single-threaded XLA compilation. They start when collection ends
+(`start_background`, `tests.background`), longest first, beside the rest of the suite on the core the
+main process leaves idle; this module's tests run last and each checks its own run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from sharpi_jax.gguf import GGUFFile, read_model_config
+from tests import background
 from tests.conftest import FIXTURES
 from tests.experiments.entry_point import REPO_ROOT, jsonl, ok, own_lines, run_entry_point
-
-JOBS = max(1, min(2, os.cpu_count() or 1))
 
 
 def readme_main_command() -> list[str]:
@@ -93,7 +92,7 @@ COMMANDS = {
     "test_draft_vocab_quality": ("draft_vocab_quality", lambda t: [
         "--models=default", "--sizes=64", "--eval_files=2", "--eval_windows=1", "--eval_tokens=12",
         "--calibration_files=2", "--calibration_windows=2", "--calibration_tokens=16", "--generate_tokens=4",
-        "--new_tokens=6", "--max_context=96", "--oracle", f"--out={t / 'dv.json'}"]),
+        "--new_tokens=6", "--max_context=96", "--oracle", "--batch=3", f"--out={t / 'dv.json'}"]),
     "test_generate_draft_vocab_compare": ("generate", lambda t: [
         "--speculative=mtp", "--draft_vocab=256", "--compare", "--nocompare_tree", "--repeats=1",
         "--max_new_tokens=8", "--max_context=64", "--json"]),
@@ -142,24 +141,32 @@ def _before(tmp):
     return tmp / "before.json"
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    """{test name: (tmp dir, future of its CompletedProcess)} for the selected tests of this module."""
-    selected = {item.originalname for item in request.session.items if item.module is request.module}
-    pool = ThreadPoolExecutor(max_workers=JOBS)
-    started = {}
+_TMP: dict[str, Path] = {}  # test name -> the tmp dir of its run (`start_background`)
+
+
+def start_background(session, items) -> None:
+    """Start the selected tests' runs (`tests.background`, longest first); called by conftest.py once
+    collection ends, so the runs go on beside the rest of the suite."""
+    selected = {item.originalname for item in items}
+    factory = session.config._tmp_path_factory  # what the tmp_path_factory fixture returns
     for test, (name, argv) in COMMANDS.items():
-        if test in selected:
-            tmp = tmp_path_factory.mktemp(test[5:35])
-            started[test] = (tmp, pool.submit(run_entry_point, name, *argv(tmp), cache=tmp / "cache", timeout=900))
-    yield started
-    pool.shutdown(wait=True, cancel_futures=True)
+        if test in selected and not background.started(("entry_point", test)):
+            tmp = _TMP[test] = factory.mktemp(test[5:35])
+            background.submit(("entry_point", test), run_entry_point, name, *argv(tmp), cache=tmp / "cache",
+                              timeout=900)
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """{test name: its run's tmp dir} for the selected tests of this module, their runs started."""
+    start_background(request.session, [item for item in request.session.items if item.module is request.module])
+    return _TMP
 
 
 def result(runs, request):
     """(tmp dir, CompletedProcess) of the calling test's command."""
-    tmp, future = runs[request.node.originalname]
-    return tmp, future.result()
+    test = request.node.originalname
+    return runs[test], background.result(("entry_point", test))
 
 
 def _check_spread(rec: dict, key: str, rounds: int | None = None) -> None:
@@ -220,7 +227,7 @@ def test_draft_vocab_quality(runs, request):
     tmp, res = result(runs, request)
     assert "installed" not in ok(res).stdout and "rel. gap" in res.stdout
     (rec,) = json.loads((tmp / "dv.json").read_text())["records"]
-    assert rec["sets"] == {"repo": 4 + 6, "stdlib": 2} and rec["calibration"]["windows"] == 4
+    assert rec["sets"] == {"repo": 4 + 6, "stdlib": 2} and rec["calibration"]["windows"] == 4 and rec["batch"] == 3
     assert rec["calibration"]["drafts_counted"] > 0
     for rows in rec["results"].values():
         assert set(rows) == {"full", "64 fallback", "64 calibrated", "64 oracle"}

@@ -109,6 +109,56 @@ def test_tree_figure_and_grid(tmp_path):
                    {"draft_tokens": 3, "speculative": "mtp_tree", "tree_nodes": 8}]
 
 
+def test_batched_sweep_records_each_prompt_as_generated_alone(tmp_path):
+    """batch=2 over 3 prompts of different lengths: groups (0, 1) and (2,), one generate_batch each; each
+    record holds its own prompt's figures, which equal a one-sequence `generate` of that prompt (the
+    reference), and its group's shared decode tok/s. `batches.generate_grouped` (draft_vocab_quality's
+    loop) likewise gives each prompt's own output, in order."""
+    import sharpi_jax as sj
+    from experiments import batches
+
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n    x = 1\n", "x = ["]
+    cfg = {"name": "batched", "models": ["default"], "prompts": prompts, "max_new_tokens": 6, "repeats": 1,
+           "batch": 2, "load": {"max_context": 64}, "grid": {"speculative": [None, "mtp"], "draft_tokens": [2]}}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(cfg))
+    records = sweep.run_sweep(sweep.load_config(path), tmp_path / "b.jsonl", log=lambda *_: None)
+    assert [(r["speculative"], r["prompt"], r["batch"]) for r in records] == \
+        [(None, 0, 2), (None, 1, 2), (None, 2, 1), ("mtp", 0, 2), ("mtp", 1, 2), ("mtp", 2, 1)]
+    with sj.load(max_context=64) as e:
+        for r in records:
+            alone = e.generate(prompts[r["prompt"]], max_new_tokens=6, speculative=r["speculative"],
+                               draft_tokens=2).stats.to_dict()
+            keys = ["prompt_tokens", "generated_tokens", "stop_reason"] + \
+                (["drafted", "accepted", "verify_passes", "accept_per_position"] if r["speculative"] else [])
+            assert {k: r[k] for k in keys} == {k: alone[k] for k in keys}, r["prompt"]
+            assert r["decode_tok_s"] == r["batch_decode_tok_s"] > 0
+        alone = [e.generate(p, max_new_tokens=6, speculative="mtp", draft_tokens=2) for p in prompts]
+        grouped = batches.generate_grouped(e, prompts, 2, max_new_tokens=6, speculative="mtp", draft_tokens=2)
+        assert [o.stats.batch.size for o in grouped] == [2, 2, 1]
+        for a, g in zip(alone, grouped, strict=True):
+            assert a.stats.speculation.drafted > 0
+            assert (g.tokens, g.stats.speculation) == (a.tokens, a.stats.speculation)
+    assert len({r["prompt_tokens"] for r in records}) == 3  # the prompts are told apart by their length
+    assert [list(g) for g in batches.groups(5, 2)] == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize("opts, bad", [({"expert_budget_frac": [0.5]}, "expert_budget_frac"),
+                                       ({"loop": ["host"]}, "loop='host'"),
+                                       ({"speculative": ["mtp"], "verify": ["sequential"]}, "verify='sequential'")])
+def test_batched_sweep_refuses_what_a_batch_cannot_run(tmp_path, opts, bad):
+    from sharpi_jax.errors import InputError
+
+    cfg = {"name": "b", "models": ["default"], "grid": opts, "batch": 2}
+    with pytest.raises(InputError, match=f"batch=2 runs generate_batch, which cannot run {bad} "):
+        sweep.run_sweep(cfg, tmp_path / "b.jsonl", log=lambda *_: None)
+    assert not (tmp_path / "b.jsonl").exists()  # refused before anything ran
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps({**cfg, "batch": 0}))
+    with pytest.raises(InputError, match="'batch' must be an integer >= 1, got 0"):
+        sweep.load_config(p)
+
+
 def test_grid_points_collapse_ignored_options():
     pts = list(sweep.grid_points({"speculative": [None, "mtp"], "draft_tokens": [1, 3]}))
     assert pts == [{"speculative": None}, {"draft_tokens": 1, "speculative": "mtp"},

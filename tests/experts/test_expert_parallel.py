@@ -3,8 +3,8 @@ host devices against one device.
 
 Forced devices need XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax starts, so the
 checks run in subprocesses (`tests/experts/expert_parallel_checks.py`, and the 2-process job),
-started together once for the module (~145 s of CPU in all, measured on a loaded machine: ~75 s on 2
-idle cores). Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
+started once collection ends (`start_background`, `tests.background`) beside the rest of the suite
+(~145 s of CPU in all, measured on a loaded machine: ~75 s on 2 idle cores). Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
 F32/Q8_0):
 
 - logits BITWISE equal to one device's (`tests.bitwise`): every row runs the same row-stable kernels
@@ -40,6 +40,7 @@ import sharpi_jax as sj
 from sharpi_jax.errors import InputError
 from sharpi_jax.experts import parallel
 from sharpi_jax.gguf import GGUFFile, read_model_config
+from tests import background
 from tests.conftest import REPO_ROOT, fixture_path
 
 DEVICES = 4
@@ -116,22 +117,42 @@ def _run_two_processes() -> list[subprocess.CompletedProcess]:
     return out
 
 
-def _results(generate: list, multihost: bool = False, budget: list[str] = ()) -> dict:
-    with ThreadPoolExecutor(3) as pool:
-        two = pool.submit(_run_two_processes) if multihost else None
-        lines = [ln for out in pool.map(_run_checks, _jobs(generate, budget)) for ln in out]
-        by_file = {ln["file"]: ln for ln in lines if "file" in ln}
-        by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
-        by_file["hlo"] = next(ln["hlo"] for ln in lines if "hlo" in ln)
-        by_file["pallas"] = next(ln["pallas"] for ln in lines if "pallas" in ln)
-        by_file["budget"] = next((ln["budget"] for ln in lines if "budget" in ln), {})
-        by_file["multihost"] = two.result() if two else None
+def _collect(lines: list[dict], two: list | None) -> dict:
+    by_file = {ln["file"]: ln for ln in lines if "file" in ln}
+    by_file["dispatch"] = next(ln["dispatch"] for ln in lines if "dispatch" in ln)
+    by_file["hlo"] = next(ln["hlo"] for ln in lines if "hlo" in ln)
+    by_file["pallas"] = next(ln["pallas"] for ln in lines if "pallas" in ln)
+    by_file["budget"] = next((ln["budget"] for ln in lines if "budget" in ln), {})
+    by_file["multihost"] = two
     return by_file
 
 
+def _results(generate: list, budget: list[str] = ()) -> dict:
+    with ThreadPoolExecutor(2) as pool:
+        return _collect([ln for out in pool.map(_run_checks, _jobs(generate, budget)) for ln in out], None)
+
+
+def start_background(session, items) -> None:
+    """Start the runs of the `results` fixture (`tests.background`: the two check processes, then the
+    2-process job) when a selected test uses it; called by conftest.py once collection ends. A missing
+    fixture file leaves them to the fixture, which fails or skips its tests."""
+    if background.started(("expert_parallel", "two_processes")) or \
+            not any("results" in item.fixturenames for item in items):
+        return
+    try:
+        jobs = _jobs(GENERATE_FAST, BUDGET_FAST)
+    except (pytest.skip.Exception, pytest.fail.Exception):
+        return
+    for i, args in enumerate(jobs):
+        background.submit(("expert_parallel", "checks", i), _run_checks, args)
+    background.submit(("expert_parallel", "two_processes"), _run_two_processes)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return _results(GENERATE_FAST, multihost=True, budget=BUDGET_FAST)
+def results(request):
+    start_background(request.session, [request.node])
+    lines = [ln for i in range(2) for ln in background.result(("expert_parallel", "checks", i))]
+    return _collect(lines, background.result(("expert_parallel", "two_processes")))
 
 
 def _name(f) -> str:

@@ -161,6 +161,10 @@ def test_refused_options_one_line():
     with sj.load(max_context=64, kv_policy="snapkv", kv_budget=40) as e:
         with pytest.raises(InputError, match="not with a KV eviction policy"):
             e.generate_batch(["a", "b"])
+    with sj.load(max_context=64) as e:
+        for opts in ({"loop": "host"}, {"speculative": "mtp", "verify": "sequential"}):
+            with pytest.raises(InputError, match="device loop with batched verify: not with loop="):
+                e.generate_batch(["a", "b"], **opts)
 
 
 def test_batched_matmul_is_one_call_of_the_valid_rows():
