@@ -132,25 +132,29 @@ def _results(generate: list, budget: list[str] = ()) -> dict:
         return _collect([ln for out in pool.map(_run_checks, _jobs(generate, budget)) for ln in out], None)
 
 
-def start_background(session, items) -> None:
+def _start() -> None:
     """Start the runs of the `results` fixture (`tests.background`: the two check processes, then the
-    2-process job) when a selected test uses it; called by conftest.py once collection ends. A missing
-    fixture file leaves them to the fixture, which fails or skips its tests."""
-    if background.started(("expert_parallel", "two_processes")) or \
-            not any("results" in item.fixturenames for item in items):
+    2-process job), once."""
+    if background.started(("expert_parallel", "two_processes")):
         return
-    try:
-        jobs = _jobs(GENERATE_FAST, BUDGET_FAST)
-    except (pytest.skip.Exception, pytest.fail.Exception):
-        return
-    for i, args in enumerate(jobs):
+    for i, args in enumerate(_jobs(GENERATE_FAST, BUDGET_FAST)):
         background.submit(("expert_parallel", "checks", i), _run_checks, args)
     background.submit(("expert_parallel", "two_processes"), _run_two_processes)
 
 
+def start_background(session, items) -> None:
+    """`_start` when a selected test uses the `results` fixture; called by conftest.py once collection
+    ends. A missing fixture file leaves the runs to the fixture, which fails or skips its tests."""
+    if any("results" in item.fixturenames for item in items):
+        try:
+            _start()
+        except (pytest.skip.Exception, pytest.fail.Exception):
+            pass
+
+
 @pytest.fixture(scope="module")
-def results(request):
-    start_background(request.session, [request.node])
+def results():
+    _start()
     lines = [ln for i in range(2) for ln in background.result(("expert_parallel", "checks", i))]
     return _collect(lines, background.result(("expert_parallel", "two_processes")))
 
