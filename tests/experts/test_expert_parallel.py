@@ -4,8 +4,8 @@ host devices against one device.
 Forced devices need XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax starts, so the
 checks run in subprocesses (`tests/experts/expert_parallel_checks.py`, and the 2-process job),
 started once collection ends (`start_background`, `tests.background`) beside the rest of the suite
-(~145 s of CPU in all, measured on a loaded machine: ~75 s on 2 idle cores). Claims, on every fixture MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next
-F32/Q8_0):
+(~145 s of CPU in all, measured on a loaded machine: ~75 s on 2 idle cores). Claims, on every fixture
+MoE file (tiny-qwen35moe F32/BF16/Q8_0/Q4_K_M, tiny-qwen3next F32/Q8_0):
 
 - logits BITWISE equal to one device's (`tests.bitwise`): every row runs the same row-stable kernels
   and the psum of bit patterns adds only integer zeros to each owner's result, so nothing is rounded
