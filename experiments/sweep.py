@@ -89,14 +89,14 @@ def check_batch(cfg: dict[str, Any], points: list[dict[str, Any]], batch: int) -
     expert parallelism, KV eviction, the host loop, sequential verify), before anything is loaded."""
     if batch == 1:
         return
+    from sharpi_jax import GenerateOptions
     from sharpi_jax.errors import InputError
 
     for opts in [cfg.get("load", {})] + points:
         bad = [k for k in BATCH_REFUSED_LOAD if opts.get(k) is not None]
-        if opts.get("loop") == "host":
-            bad.append("loop='host'")
-        if opts.get("speculative") and opts.get("verify") == "sequential":
-            bad.append("verify='sequential'")
+        run = GenerateOptions.from_keywords(**{k: opts[k] for k in ("speculative", "verify", "loop") if k in opts})
+        if not run.device_loop:  # the rule generate_batch refuses by
+            bad.append("loop='host'" if run.loop != "device" else "verify='sequential'")
         if bad:
             raise InputError(f"sweep {cfg['name']}: batch={batch} runs generate_batch, which cannot run {bad[0]} "
                              f"(in {json.dumps(opts, sort_keys=True)}); use batch=1 for such points")

@@ -150,16 +150,15 @@ def start_background(session, items) -> None:
     selected = {item.originalname for item in items}
     factory = session.config._tmp_path_factory  # what the tmp_path_factory fixture returns
     for test, (name, argv) in COMMANDS.items():
-        if test in selected and not background.started(("entry_point", test)):
+        if test in selected:
             tmp = _TMP[test] = factory.mktemp(test[5:35])
             background.submit(("entry_point", test), run_entry_point, name, *argv(tmp), cache=tmp / "cache",
                               timeout=900)
 
 
 @pytest.fixture(scope="module")
-def runs(request):
-    """{test name: its run's tmp dir} for the selected tests of this module, their runs started."""
-    start_background(request.session, [item for item in request.session.items if item.module is request.module])
+def runs():
+    """{test name: its run's tmp dir} for the selected tests of this module (started by conftest.py)."""
     return _TMP
 
 
