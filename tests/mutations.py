@@ -74,6 +74,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_batch.py::test_padding_route_batched",),
     ),
     Mutation(
+        "batch_stopped_tree_keeps_its_trunk_rows",
+        "generate_batch: a stopped sequence's rows are padding that reads no expert (the tree's trunk pass)",
+        "sharpi_jax/runtime/strategies/tree.py",
+        (("                                    c[\"path\"], c[\"n_path\"], tt, P, n * live, tdepth, tparent, anc,\n",
+          "                                    c[\"path\"], c[\"n_path\"], tt, P, n, tdepth, tparent, anc,  # MUTATION\n"),),
+        ("tests/runtime/test_batch.py::test_stopped_tree_sequence_computes_no_rows",),
+    ),
+    Mutation(
+        "batch_stopped_tree_still_drafts",
+        "generate_batch: a stopped sequence's rows are padding that reads no expert (the tree's MTP head)",
+        "sharpi_jax/runtime/tree_device.py",
+        (("    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live)\n"
+          "    depth, n_nodes = depth * live, n_nodes * live\n",
+          "    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c)  # MUTATION\n"),),
+        ("tests/runtime/test_batch.py::test_stopped_tree_sequence_computes_no_rows",),
+    ),
+    Mutation(
         "batch_shared_seed",
         "generate_batch: each sequence samples with its own seed",
         "sharpi_jax/runtime/batch.py",

@@ -13,8 +13,8 @@ so with kernels="ggml" each sequence's tokens are bitwise those of generating it
 The loop runs while any sequence is live (`device_loop.drive`). A sequence that has stopped keeps its
 tokens, counts and position (held by a select per small field) while the others go on; its next steps
 run as padding rows (no product row, no expert read: `moe.padding_route` routes them like the batch's
-first valid row) for MTP off and the chain, and its big state (KV, GDN, snapshots) goes stale unread;
-the tree's passes of a stopped sequence still compute.
+first valid row): its MTP head rows and its trunk rows, for MTP off, the chain and the tree (whose
+stopped sequence drafts the root alone). Its big state (KV, GDN, snapshots) goes stale unread.
 """
 
 from __future__ import annotations

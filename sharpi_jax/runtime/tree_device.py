@@ -39,14 +39,17 @@ def _last(flag):
 
 
 def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_valid, depth, n_nodes, *,
-               K: int, N: int, c: int, S):
+               K: int, N: int, c: int, S, live=True):
     """One tree draft (root call with the MTP catch-up, then up to K - 1 level calls), `TreeDrafter.draft`
     on device. root / level: the jitted calls of `tree_draft._tree_mtp_fns`; N: the most drafts a pass
-    holds; S: where the MTP cache's slots end, as a position (its length + shift). Returns a `DeviceTree`."""
+    holds; S: where the MTP cache's slots end, as a position (its length + shift); live False: a stopped
+    sequence of a batch, whose root rows are padding and whose tree is the root alone (no level call
+    computes a row). Returns a `DeviceTree`."""
     B = max(2, c)
     W = max(1, K)
     Nc = 1 + c + (K - 1) * c * c
-    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c)
+    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live)
+    depth, n_nodes = depth * live, n_nodes * live
     cand = jnp.arange(Nc, dtype=jnp.int32)
     j_of = jnp.arange(c, dtype=jnp.int32)
     has1 = (depth >= 1) & (n_nodes >= 1)

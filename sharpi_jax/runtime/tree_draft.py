@@ -58,13 +58,16 @@ def _tree_mtp_fns(graph: Graph) -> dict:
         lp = jnp.take_along_axis(jax.nn.log_softmax(logits), idx, axis=1)
         return idx.astype(jnp.int32), lp
 
-    def root(params, cache, tokens, h_prev, hidden, start, n_valid, c):
+    def root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live=True):
+        # live False (a stopped sequence of a batch, `runtime.batch`): every row is padding (no product
+        # row, no expert read); the results are discarded.
         mtp = merge(params)
+        live = jnp.asarray(live, jnp.int32)
         hs = jnp.concatenate([h_prev[None], hidden])[:tokens.shape[0]]
-        hp, cache = mtp(tokens, hs, start, n_valid, cache)
+        hp, cache = mtp(tokens, hs, start, n_valid * live, cache)
         last = n_valid - 1  # the certain token's row
         h = jax.lax.dynamic_index_in_dim(hp, last, keepdims=False)
-        idx, lp = top(mtp, jnp.stack([h, h]), c, 1)  # a 2-row bucket (row 1 padding): the row-stable kernel
+        idx, lp = top(mtp, jnp.stack([h, h]), c, live)  # a 2-row bucket (row 1 padding): the row-stable kernel
         h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
         rows = jnp.broadcast_to(h, (max(2, c), h.shape[0]))  # the parent rows of depth 1 (level calls)
         return Expansion(idx[0], lp[0], rows, cache, h_t)

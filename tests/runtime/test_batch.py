@@ -26,6 +26,7 @@ from sharpi_jax.runtime.options import Chain, GenerateOptions, Tree
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.strategies.chain import generate_mtp_device
 from sharpi_jax.runtime.strategies.plain import generate_ids_device
+from sharpi_jax.runtime import tree_draft
 from sharpi_jax.runtime.strategies.tree import generate_tree_device
 from tests.bitwise import assert_bitwise_equal
 from tests.conftest import fixture_engine, load_references
@@ -194,3 +195,45 @@ def test_padding_route_batched():
     out = np.asarray(jax.vmap(padding_route)(sel, valid))
     assert out.tolist() == [[[6, 7]] * 3, [[6, 7]] * 3]
     assert np.asarray(padding_route(sel[1], valid[1])).tolist() == [[6, 7]] * 3
+
+
+def test_stopped_tree_sequence_computes_no_rows(default_engine, monkeypatch):
+    """A tree sequence that stops on EOS mid-batch computes no row afterwards: summed over the batch's
+    loop, the trunk's valid rows and the MTP head's (root and level calls) equal the sums of the two
+    sequences generated alone (spied call arguments; the reference is the one-sequence device loop)."""
+    e = default_engine
+    prompts = [e.tokenizer.encode(p) for p in PROMPTS[:2]]
+    first = alone(e, "mtp_tree", prompts[0], 24, GREEDY, ())
+    stop = {first.tokens[3]}
+    trunk, head = [], []
+    ns, fns = e.runtime.steps, tree_draft._tree_mtp_fns(e.mtp.graph)
+    tcv, root, level = ns.tree_commit_verify, fns.root, fns.level
+
+    def record(into, n):
+        jax.debug.callback(lambda v: into.append(int(v)), n)
+
+    def spy_tcv(*a, **kw):
+        record(trunk, a[10])  # n_valid: the pass's valid rows
+        return tcv(*a, **kw)
+
+    def spy_root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live=True):
+        record(head, n_valid * jnp.asarray(live, jnp.int32))  # its rows: n_valid, none when not live
+        return root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live)
+
+    def spy_level(*a):
+        record(head, a[6])  # n_valid: the level's beam rows
+        return level(*a)
+
+    monkeypatch.setattr(ns, "tree_commit_verify", spy_tcv)
+    monkeypatch.setattr(fns, "root", spy_root)
+    monkeypatch.setattr(fns, "level", spy_level)
+    refs = [alone(e, "mtp_tree", ids, 24, GREEDY, stop) for ids in prompts]
+    sums = (sum(trunk), sum(head))
+    trunk.clear(), head.clear()
+    opts = GenerateOptions(max_new_tokens=24, sampling=GREEDY, speculation=Tree(3))
+    got = generate_batch(e.runtime, e.mtp, prompts, opts, stop)
+    assert [g.tokens for g in got] == [r.tokens for r in refs]
+    assert [g.stats["stop_reason"] for g in got] == ["eos", "max_new_tokens"]
+    assert refs[0].stats["verify_passes"] < refs[1].stats["verify_passes"]  # the loop runs on past the stop
+    assert sum(trunk) == sums[0] == sum(n + 1 for r in refs for n in r.stats["drafted_nodes"])
+    assert sum(head) == sums[1]

@@ -98,17 +98,18 @@ def _init(e: _Loop, cache, state, mtp_cache, logits, h_last, P, sampling, out) -
 def _draft_verify(e: _Loop, c: dict) -> tuple:
     """A pass's tree and its verify: (tokens, parent rows, depths of the tree's rows, its rows n, MTP cache,
     h_t, the verify's outputs, the trunk's residency cache)."""
-    P = c["P"]
+    P, live = c["P"], c["stop"] == 0  # live False: a stopped sequence of a batch (padding rows)
     n_nodes = jnp.minimum(e.N, jnp.minimum(e.max_context - 1 - P, e.slot_room - P))
     depth = jnp.minimum(e.K, n_nodes)
     toks = jnp.concatenate([jnp.where(e.krows < c["n_pend"], c["vt"], 0), jnp.zeros((1,), jnp.int32)])
     toks = toks.at[c["n_pend"]].set(c["t"])
     tt, tp, _, n, mtp_cache, h_t = tree_device.draft_tree(
         e.root, e.level, e.mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"], c["pend_start"] - 1,
-        c["n_pend"] + 1, depth, n_nodes, K=e.K, N=e.N, c=e.branching, S=e.S)
+        c["n_pend"] + 1, depth, n_nodes, K=e.K, N=e.N, c=e.branching, S=e.S, live=live)
     tdepth, tparent, anc = tree_device.tree_arrays(tp, n)
     v, cache = e.tree_commit_verify(e.params, c["cache"], c["state"], c["snaps"], c["node"], c["prev"],
-                                    c["path"], c["n_path"], tt, P, n, tdepth, tparent, anc, head=e.head_row is None)
+                                    c["path"], c["n_path"], tt, P, n * live, tdepth, tparent, anc,
+                                    head=e.head_row is None)
     return tt, tparent, tdepth, n, mtp_cache, h_t, v, cache
 
 
@@ -148,8 +149,8 @@ def _fin(c: dict) -> tuple:
 @derived_cache
 def jitted_loop(tree_commit_verify, root, level, batch: bool = False, head_row=None):
     """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls
-    (batch: over a batch of sequences; a stopped sequence's passes still compute, their rows not padding;
-    head_row: that graph's `head_row` for a lazy LM head, one sequence only)."""
+    (batch: over a batch of sequences, a stopped sequence's rows padding; head_row: that graph's `head_row`
+    for a lazy LM head, one sequence only)."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, slot_room, eos,
             sampling, out, K, N, c, greedy):
