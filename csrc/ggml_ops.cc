@@ -181,18 +181,20 @@ void rows_product(const Kernel& kr, const uint8_t* w, int64_t n0, int64_t n1, co
     for (int64_t n = n0; n < n1; ++n) rs.out[m][n] = kr.dot(w + n * kr.w_row, rs.q[m]);
 }
 
-// y[M, N] = x[M, K] @ W[N, K].T with W in ggml blocks.
+// y[M, N] = x[M, K] @ W[N, K].T with W in ggml blocks. idx (may be null: the identity): the m-th
+// computed row is x row idx[m], its output y row idx[m] (a batch's valid rows, wherever they sit).
 void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int qtype,
-            float* y) {
+            float* y, const int32_t* idx = nullptr) {
   if (m_rows <= 0 || n_rows == 0) return;
   Kernel kr(qtype, k);
+  auto row = [idx](int64_t m) { return idx == nullptr ? m : static_cast<int64_t>(idx[m]); };
   std::vector<uint8_t> q(kr.q_row * m_rows);
-  pool.run(m_rows, m_rows * k * 8, [&](int64_t m) { kr.quantize(x + m * k, q.data() + m * kr.q_row); });
+  pool.run(m_rows, m_rows * k * 8, [&](int64_t m) { kr.quantize(x + row(m) * k, q.data() + m * kr.q_row); });
   std::vector<const uint8_t*> qp(m_rows);
   std::vector<float*> op(m_rows);
   for (int64_t m = 0; m < m_rows; ++m) {
     qp[m] = q.data() + m * kr.q_row;
-    op[m] = y + m * n_rows;
+    op[m] = y + row(m) * n_rows;
   }
   const sharpi::RowSet rs{qp.data(), op.data(), m_rows};
   int64_t tiles = (n_rows + kTileRows - 1) / kTileRows;
@@ -351,6 +353,35 @@ ffi::Error MatmulImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// The rows of a batch of sequences (`ggml.matmul` under jax.vmap): idx [M] int32 lists the valid rows
+// of x first, n (int32 scalar) of them; row idx[i], i < n, is multiplied in place (no gather or scatter
+// of x or y outside the call), every other output row is +0.0. A row's bits are those it has alone
+// (the kernels are row-stable).
+ffi::Error MatmulRowsImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::S32> n, int32_t qtype,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("ggml matmul: x and w must be 2-D");
+  if (n.element_count() != 1) return ffi::Error::InvalidArgument("ggml matmul: n must be a scalar");
+  if (static_cast<int64_t>(idx.element_count()) != xd[0])
+    return ffi::Error::InvalidArgument("ggml matmul: idx must hold one row index per x row");
+  std::string err = check_rows(qtype, xd[1], wd[1]);
+  if (!err.empty()) return ffi::Error::InvalidArgument("ggml matmul: " + err);
+  const int64_t m = std::clamp<int64_t>(n.typed_data()[0], 0, xd[0]);
+  const int32_t* rows = idx.typed_data();
+  std::vector<char> computed(xd[0], 0);
+  for (int64_t i = 0; i < m; ++i) {
+    if (rows[i] < 0 || rows[i] >= xd[0] || computed[rows[i]])
+      return ffi::Error::InvalidArgument("ggml matmul: idx must list distinct rows of x");
+    computed[rows[i]] = 1;
+  }
+  float* out = y->typed_data();
+  for (int64_t r = 0; r < xd[0]; ++r)
+    if (!computed[r]) std::fill(out + r * wd[0], out + (r + 1) * wd[0], 0.0f);
+  matmul(xla_pool(tp), x.typed_data(), m, xd[1], w.typed_data(), wd[0], qtype, out, rows);
+  return ffi::Error::Success();
+}
+
 ffi::Error ExpertRowsImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                           ffi::Buffer<ffi::U8> gate, ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
                           int32_t gate_type, int32_t up_type, int32_t down_type, int32_t mode,
@@ -375,6 +406,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGgmlMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("qtype")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGgmlMatmulRows, MatmulRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("qtype")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -449,6 +490,7 @@ NB_MODULE(_ggml, m) {
   m.def("ffi_targets", []() {
     nb::dict d;
     d["sharpi_ggml_matmul"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlMatmul));
+    d["sharpi_ggml_matmul_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlMatmulRows));
     d["sharpi_ggml_expert_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlExpertRows));
     return d;
   });

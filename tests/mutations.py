@@ -50,9 +50,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batch_matmul_rows_misplaced",
         "generate_batch: one ggml call over every sequence's valid rows, each sequence bitwise its own run",
-        "sharpi_jax/quant/ggml.py",
-        (("        out = jnp.zeros_like(y).at[order].set(y)\n",
-          "        out = jnp.zeros_like(y).at[jnp.sort(order)].set(y)  # MUTATION: rows back in gathered order\n"),),
+        "csrc/ggml_ops.cc",
+        (("    op[m] = y + row(m) * n_rows;\n",
+          "    op[m] = y + m * n_rows;  // MUTATION: a batch's rows written in computed order, not where they sit\n"),),
         ("tests/runtime/test_batch.py::test_batched_matmul_is_one_call_of_the_valid_rows",),
         ("tests/runtime/test_batch.py",),
     ),

@@ -176,6 +176,12 @@ def _matmul_call(x2, raw, rows, qtype: int):
                             vmap_method="sequential")(x2, raw, rows, qtype=np.int32(qtype))
 
 
+def _matmul_rows_call(x2, raw, idx, n, qtype: int):
+    return jax.ffi.ffi_call("sharpi_ggml_matmul_rows",
+                            jax.ShapeDtypeStruct((x2.shape[0], raw.shape[0]), jnp.float32),
+                            vmap_method="sequential")(x2, raw, idx, n, qtype=np.int32(qtype))
+
+
 def _bcast(a, batched: bool, n: int):
     return a if batched else jnp.broadcast_to(a[None], (n,) + a.shape)
 
@@ -183,9 +189,10 @@ def _bcast(a, batched: bool, n: int):
 @functools.cache
 def _matmul_op(qtype: int):
     """The FFI product x2 [M, K] @ W.T (rows [0, rows) computed), batched as ONE call: under jax.vmap (a
-    batch of sequences, `runtime.batch`) every sequence's valid rows are gathered into one product, so
-    the weights are read once for the batch; rows are independent bit for bit, so each sequence's
-    output equals its own call's."""
+    batch of sequences, `runtime.batch`) every sequence's valid rows join one product, so the weights
+    are read once for the batch; rows are independent bit for bit, so each sequence's output equals its
+    own call's. The call takes the valid rows' indices and multiplies them where they sit (no gather of
+    x, no zeroed output scattered into: on the LM head those were ~10 ms of a 4-sequence step)."""
     op = jax.custom_batching.custom_vmap(functools.partial(_matmul_call, qtype=qtype))
 
     @op.def_vmap
@@ -198,11 +205,10 @@ def _matmul_op(qtype: int):
         x2, rows = _bcast(x2, x_b, axis_size), _bcast(rows, rows_b, axis_size)
         B, M, K = x2.shape
         valid = (jnp.arange(M, dtype=jnp.int32)[None, :] < rows[:, None]).reshape(B * M)
-        # Valid rows first (stable), so the call computes just them; the rest come back +0.0.
-        order = jnp.argsort(~valid, stable=True)
-        y = op(x2.reshape(B * M, K)[order], raw, jnp.sum(valid, dtype=jnp.int32))
-        out = jnp.zeros_like(y).at[order].set(y)
-        return out.reshape(B, M, raw.shape[0]), True
+        # The valid rows' indices first, in order: the call computes just them; the rest come back +0.0.
+        order = jnp.argsort(~valid, stable=True).astype(jnp.int32)
+        y = _matmul_rows_call(x2.reshape(B * M, K), raw, order, jnp.sum(valid, dtype=jnp.int32), qtype)
+        return y.reshape(B, M, raw.shape[0]), True
 
     return op
 

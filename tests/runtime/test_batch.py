@@ -188,6 +188,15 @@ def test_batched_matmul_is_one_call_of_the_valid_rows():
     assert hlo.count("sharpi_ggml_matmul") == 1 and "while" not in hlo
 
 
+def test_batched_matmul_call_refuses_bad_row_indices():
+    """The batched call's row list must name distinct rows of x: a bad one fails the call, one line."""
+    raw = jnp.zeros((32, 34), jnp.uint8)  # Q8_0 rows of 32 values
+    x = jnp.ones((3, 32), jnp.float32)
+    for idx in ([0, 0, 1], [0, 5, 1]):
+        with pytest.raises(Exception, match="idx must list distinct rows of x"):
+            jax.block_until_ready(ggml._matmul_rows_call(x, raw, jnp.array(idx, jnp.int32), jnp.int32(2), 8))
+
+
 def test_padding_route_batched():
     """Padding rows route like the batch's first valid row (a stopped sequence reads no expert)."""
     sel = jnp.arange(12, dtype=jnp.int32).reshape(2, 3, 2)
