@@ -1,14 +1,16 @@
 // Multi-row kernels for Q4_K, Q5_K and Q6_K weights (AVX2 + FMA + F16C, picked at run time).
 //
 // Q8_0 has none: its blocks need no unpacking (bytes and one f16 scale), so ggml's vec_dot is already
-// bound by the multiply ports, and a multi-row form measured slower than it at every row count.
+// bound by the multiplies, and a multi-row form measured slower than it at every row count.
 //
-// Loop order: activation rows in blocks of kRowBlock; for each weight row of the tile and each block of
-// that row, the block is unpacked once (quants to bytes, scales to int16 vectors) and then multiplied
-// with the block of every activation row of the row block. Per (weight row, activation row) the float
-// work is ggml's, in ggml's order (see multirow.h); only the unpacking is shared. Compiled with
-// -ffp-contract=off so that the compiler adds no fused multiply-add that ggml's build does not have;
-// where ggml's C code is contracted by its compiler, the fused form is written out explicitly.
+// Loop order: for each weight row of the tile and each super-block, each 32-value chunk is unpacked into
+// registers (quants to bytes, its scale to an int16 vector) and multiplied at once with the same chunk of
+// a group of up to 4 activation rows, as ggml's vec_dot does for one row: the rows share the unpacking and
+// the weight loads, and nothing unpacked goes through memory. A product of m rows runs in balanced groups
+// (5 -> 2 + 3, 9 -> 3 + 3 + 3). Per (weight row, activation row) the float work is ggml's, in ggml's order
+// (see multirow.h). Compiled with -ffp-contract=off so that the compiler adds no fused multiply-add that
+// ggml's build does not have; where ggml's C code is contracted by its compiler, the fused form is written
+// out explicitly.
 #include "multirow.h"
 
 #include <immintrin.h>
@@ -25,11 +27,10 @@ namespace sharpi {
 namespace {
 
 #define SHARPI_AVX2 __attribute__((target("avx2,fma,f16c")))
-// Helpers must inline into the kernels: a call would pass the unpacked block through memory per row.
+// Helpers must inline into the kernels: a call would pass unpacked vectors through memory.
 #define SHARPI_INLINE SHARPI_AVX2 inline __attribute__((always_inline))
-#define SHARPI_INLINE_LAMBDA __attribute__((always_inline, target("avx2,fma,f16c")))
 
-constexpr int64_t kRowBlock = 16;  // activation rows whose accumulators stay in L1 at once
+constexpr int kGroup = 4;          // activation rows per pass over a weight row (their sums stay in registers)
 constexpr int kQK = 256;           // values per K-quant super-block
 
 // Block sizes in bytes (ggml-common.h): K-quant weights against Q8_K activations.
@@ -77,216 +78,187 @@ SHARPI_INLINE __m256i spread16(__m256i v, int c) {
   return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>((2 * c) | ((2 * c + 1) << 8))));
 }
 
-// Sum over the 8 chunks of 32 values: lane i of chunk c holds scale_c * (products of bytes 4i..4i+3),
-// the same lanes as ggml's maddubs / madd pairs.
-SHARPI_INLINE __m256i chunk_sums(const __m256i* q, const __m256i* sc, const uint8_t* a) {
-  __m256i s = _mm256_setzero_si256();
-#pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c) {
-    __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * c)));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(sc[c], p));
-  }
-  return s;
-}
-
-// chunk_sums for two activation rows at once: each quant and scale vector serves both.
-SHARPI_INLINE void chunk_sums2(const __m256i* q, const __m256i* sc, const uint8_t* a0, const uint8_t* a1,
-                               __m256i& s0, __m256i& s1) {
-  s0 = _mm256_setzero_si256();
-  s1 = _mm256_setzero_si256();
-#pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c) {
-    const __m256i p0 = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a0 + 32 * c)));
-    const __m256i p1 = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a1 + 32 * c)));
-    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(sc[c], p0));
-    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(sc[c], p1));
-  }
-}
-
 // ---- Q4_K / Q5_K ---------------------------------------------------------------------------------
+//
+// R activation rows against weight rows [n0, n1). Lane i of a row's int32 sums holds, per 32-value chunk c,
+// scale_c * (the products of bytes 4i..4i+3): the lanes of ggml's maddubs / madd pairs. The mins term
+// (4 float lanes for Q4_K, one fused scalar for Q5_K), the per-block fused multiply-add into 8 float lanes
+// and the final horizontal sums are ggml's operations in ggml's order.
 
-// Unpacks one Q4_K or Q5_K super-block: quants (values 0..15 or 0..31) in value order, one int16 scale
-// vector per chunk of 32 values, the mins as 8 int16 and the two f16 scales.
-struct K4Block {
-  __m256i q[8];
-  __m256i sc[8];
-  __m128i mins;
-  float d, dmin;
-};
-
-SHARPI_INLINE void unpack_k4_scales(const uint8_t* blk, K4Block& b) {
-  const __m256i sm = _mm256_cvtepu8_epi16(scale_min_k4(blk + 4));
-  const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);  // the 8 scales in both halves
-#pragma GCC unroll 8
-  for (int c = 0; c < 8; ++c) b.sc[c] = spread16(scales, c);
-  b.mins = _mm256_extracti128_si256(sm, 1);
-  b.d = f16(blk);
-  b.dmin = f16(blk + 2);
-}
-
-SHARPI_INLINE void unpack_q4_K(const uint8_t* blk, K4Block& b) {
-  unpack_k4_scales(blk, b);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  const uint8_t* qs = blk + 16;
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-    b.q[2 * j] = _mm256_and_si256(bits, m4);
-    b.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-  }
-}
-
-SHARPI_INLINE void unpack_q5_K(const uint8_t* blk, K4Block& b) {
-  unpack_k4_scales(blk, b);
-  const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-  const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-  const uint8_t* qs = blk + 48;
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-    // Bit 2j (2j + 1) of each qh byte is the fifth bit of the low (high) nibble's value.
-    __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one);
-    __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one);
-    b.q[2 * j] = _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_slli_epi16(h0, 4));
-    b.q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_slli_epi16(h1, 4));
-  }
-}
-
-// The mins term's 4 int32 lanes: lane i = mn[2i] * s[2i] + mn[2i+1] * s[2i+1], s[j] the sum of
-// activation sub-block j (its two bsums, added in int16 as ggml's hadd does).
-SHARPI_INLINE __m128i mins_lanes(const K4Block& b, const uint8_t* y) {
-  __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 260));
-  __m128i s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-  return _mm_madd_epi16(b.mins, s);
-}
-
-template <bool kQ5>
-SHARPI_AVX2 void k4_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
+template <bool kQ5, int R>
+SHARPI_AVX2 void k4_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                          const uint8_t* const* q, float* const* out) {
   const int64_t nb = k / kQK;
   const size_t bsz = kQ5 ? kQ5K : kQ4K;
-  K4Block b;
-  __m256 acc[kRowBlock];
-  __m128 accm[kRowBlock];  // Q4_K: the mins term in 4 float lanes
-  float summs[kRowBlock];  // Q5_K: the mins term as one float
-  for (int64_t r0 = 0; r0 < rs.m; r0 += kRowBlock) {
-    const int64_t nr = std::min<int64_t>(kRowBlock, rs.m - r0);
-    const uint8_t* const* q = rs.q + r0;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + n * w_row;
-      for (int64_t r = 0; r < kRowBlock; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm_setzero_ps();
-        summs[r] = 0.0f;
-      }
-      for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* blk = wr + i * bsz;
-        if (kQ5) unpack_q5_K(blk, b);
-        else unpack_q4_K(blk, b);
-        // Row r's float work on its integer sums, in ggml's order.
-        auto finish = [&](int64_t r, const uint8_t* y, __m256i sumi) SHARPI_INLINE_LAMBDA {
-          const float yd = q8k_d(y);
-          const float d = yd * b.d;
-          const float dmin = -yd * b.dmin;
-          const __m128i prod = mins_lanes(b, y);
-          if (kQ5) {
-            __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, _mm_setzero_si128()), _mm_setzero_si128());
-            // ggml's `summs += dmin * int`: its build contracts this into one fused multiply-add.
-            summs[r] = std::fma(dmin, static_cast<float>(_mm_extract_epi32(hs, 0)), summs[r]);
-          } else {
-            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), accm[r]);
-          }
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        };
-        int64_t r = 0;
-        for (; r + 1 < nr; r += 2) {
-          const uint8_t *y0 = q[r] + i * kQ8K, *y1 = q[r + 1] + i * kQ8K;
-          __m256i s0, s1;
-          chunk_sums2(b.q, b.sc, y0 + 4, y1 + 4, s0, s1);
-          finish(r, y0, s0);
-          finish(r + 1, y1, s1);
-        }
-        if (r < nr) {
-          const uint8_t* y = q[r] + i * kQ8K;
-          finish(r, y, chunk_sums(b.q, b.sc, y + 4));
-        }
-      }
-      for (int64_t r = 0; r < nr; ++r) {
-        float tail;
+  const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * w_row;
+    __m256 acc[R];
+    __m128 accm[R];
+    float summs[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      accm[r] = _mm_setzero_ps();
+      summs[r] = 0.0f;
+    }
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* blk = wr + i * bsz;
+      const __m256i sm = _mm256_cvtepu8_epi16(scale_min_k4(blk + 4));
+      const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+      const __m128i mins = _mm256_extracti128_si256(sm, 1);
+      const float xd = f16(blk), xdmin = f16(blk + 2);
+      const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+      __m256i hbits = _mm256_setzero_si256();
+      if (kQ5) hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        __m256i ql = _mm256_and_si256(bits, m4), qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
         if (kQ5) {
-          tail = summs[r];
-        } else {
-          __m128 am = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
-          am = _mm_add_ss(am, _mm_movehdup_ps(am));
-          tail = _mm_cvtss_f32(am);
+          ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
+          qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
         }
-        rs.out[r0 + r][n] = hsum8(acc[r]) + tail;
+        const __m256i sl = spread16(scales, 2 * j), sh = spread16(scales, 2 * j + 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* y = q[r] + i * kQ8K + 4 + 64 * j;
+          const __m256i pl = _mm256_maddubs_epi16(ql, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)));
+          const __m256i ph = _mm256_maddubs_epi16(qh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32)));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(sl, pl), _mm256_madd_epi16(sh, ph)));
+        }
       }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* y = q[r] + i * kQ8K;
+        const float yd = q8k_d(y);
+        const float d = yd * xd;
+        const float dmin = -yd * xdmin;
+        const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 260));
+        const __m128i prod = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
+        if (kQ5) {
+          __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, _mm_setzero_si128()), _mm_setzero_si128());
+          summs[r] = std::fma(dmin, static_cast<float>(_mm_extract_epi32(hs, 0)), summs[r]);
+        } else {
+          accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), accm[r]);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float tail;
+      if (kQ5) {
+        tail = summs[r];
+      } else {
+        __m128 am = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
+        am = _mm_add_ss(am, _mm_movehdup_ps(am));
+        tail = _mm_cvtss_f32(am);
+      }
+      out[r][n] = hsum8(acc[r]) + tail;
     }
   }
 }
 
 // ---- Q6_K ----------------------------------------------------------------------------------------
-
-SHARPI_AVX2 void q6_K_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
+//
+// Value 128j + 32t + l takes its low 4 bits from ql and bits 2t, 2t+1 of qh[32j + l] as its top 2; chunk c
+// (values 32c..32c+31): int16 lanes 0-7 use scale 2c, lanes 8-15 scale 2c + 1. The stored quants are
+// value + 32: each block subtracts 32 * scale * (each 16 activations' sum, Q8_K's bsums).
+template <int R>
+SHARPI_AVX2 void q6_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                          const uint8_t* const* q, float* const* out) {
   const int64_t nb = k / kQK;
   const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
                 m48 = _mm256_set1_epi8(48), m192 = _mm256_set1_epi8(static_cast<char>(0xC0));
-  __m256i qv[8], sc[8];
-  __m256 acc[kRowBlock];
-  for (int64_t r0 = 0; r0 < rs.m; r0 += kRowBlock) {
-    const int64_t nr = std::min<int64_t>(kRowBlock, rs.m - r0);
-    const uint8_t* const* q = rs.q + r0;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + n * w_row;
-      for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* blk = wr + i * kQ6K;
-        const uint8_t* ql = blk;
-        const uint8_t* qh = blk + 128;
-        const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-        const float xd = f16(blk + 208);
-        // Value 128j + 32t + l takes its low 4 bits from ql and bits 2t, 2t+1 of qh[32j + l] as its top 2.
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * w_row;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* blk = wr + i * kQ6K;
+      const uint8_t* ql = blk;
+      const uint8_t* qh = blk + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      const float xd = f16(blk + 208);
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
-        for (int j = 0; j < 2; ++j) {
-          __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j));
-          __m256i l2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j + 32));
-          __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * j));
-          qv[4 * j + 0] = _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
-          qv[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(h, m12), 2));
-          qv[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(h, m48));
-          qv[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15),
-                                          _mm256_srli_epi16(_mm256_and_si256(h, m192), 2));
-        }
-        // Chunk c (values 32c..32c+31): int16 lanes 0-7 use scale 2c, lanes 8-15 scale 2c + 1.
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c)
-          sc[c] = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * c]), _mm_set1_epi16(scales[2 * c + 1]));
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-        auto finish = [&](int64_t r, const uint8_t* y, __m256i sums) SHARPI_INLINE_LAMBDA {
-          const float d = q8k_d(y) * xd;
-          // The stored quants are value + 32: subtract 32 * scale * (sum of each 16 activations).
-          const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 260));
-          const __m256i sub = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
-          const __m256i sumi = _mm256_sub_epi32(sums, sub);
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        };
-        int64_t r = 0;
-        for (; r + 1 < nr; r += 2) {
-          const uint8_t *y0 = q[r] + i * kQ8K, *y1 = q[r + 1] + i * kQ8K;
-          __m256i s0, s1;
-          chunk_sums2(qv, sc, y0 + 4, y1 + 4, s0, s1);
-          finish(r, y0, s0);
-          finish(r + 1, y1, s1);
-        }
-        if (r < nr) {
-          const uint8_t* y = q[r] + i * kQ8K;
-          finish(r, y, chunk_sums(qv, sc, y + 4));
+      for (int j = 0; j < 2; ++j) {
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j));
+        const __m256i l2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j + 32));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * j));
+        __m256i qv[4];
+        qv[0] = _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+        qv[1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(h, m12), 2));
+        qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(h, m48));
+        qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15), _mm256_srli_epi16(_mm256_and_si256(h, m192), 2));
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const int c = 4 * j + t;
+          const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * c]), _mm_set1_epi16(scales[2 * c + 1]));
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m256i p = _mm256_maddubs_epi16(qv[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + i * kQ8K + 4 + 32 * c)));
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(sc, p));
+          }
         }
       }
-      for (int64_t r = 0; r < nr; ++r) rs.out[r0 + r][n] = hsum8(acc[r]);
+      const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* y = q[r] + i * kQ8K;
+        const float d = q8k_d(y) * xd;
+        const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 260));
+        const __m256i sub = _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales16), 5);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], sub)), acc[r]);
+      }
     }
+    for (int r = 0; r < R; ++r) out[r][n] = hsum8(acc[r]);
   }
 }
+
+// ---- Any number of rows ----------------------------------------------------------------------------
+
+// Every row of `rs` in balanced groups of at most kGroup rows (5 -> 2 + 3, 9 -> 3 + 3 + 3): a group of
+// 1 would forgo the shared unpacking. F<R>::run computes one group.
+template <template <int> class F>
+SHARPI_AVX2 void group_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
+  const int64_t groups = (rs.m + kGroup - 1) / kGroup;
+  int64_t r = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t size = (rs.m - r) / (groups - g);
+    switch (size) {
+      case 4: F<4>::run(k, w, w_row, n0, n1, rs.q + r, rs.out + r); break;
+      case 3: F<3>::run(k, w, w_row, n0, n1, rs.q + r, rs.out + r); break;
+      case 2: F<2>::run(k, w, w_row, n0, n1, rs.q + r, rs.out + r); break;
+      default: F<1>::run(k, w, w_row, n0, n1, rs.q + r, rs.out + r); break;
+    }
+    r += size;
+  }
+}
+
+template <int R>
+struct Q4Group {
+  static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
+                  float* const* out) {
+    k4_group<false, R>(k, w, w_row, n0, n1, q, out);
+  }
+};
+template <int R>
+struct Q5Group {
+  static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
+                  float* const* out) {
+    k4_group<true, R>(k, w, w_row, n0, n1, q, out);
+  }
+};
+template <int R>
+struct Q6Group {
+  static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
+                  float* const* out) {
+    q6_group<R>(k, w, w_row, n0, n1, q, out);
+  }
+};
 
 bool cpu_has_avx2() {
   __builtin_cpu_init();
@@ -302,7 +274,7 @@ std::atomic<bool> g_enabled{env_enabled()};
 
 }  // namespace
 
-int64_t multirow_min_rows(int qtype) { return qtype == GGML_TYPE_Q4_K ? 6 : 3; }
+int64_t multirow_min_rows(int) { return 2; }
 
 void set_multirow_enabled(bool on) { g_enabled.store(on); }
 bool multirow_enabled() { return g_enabled.load(); }
@@ -311,9 +283,9 @@ MultiRowFn multirow_kernel(int qtype) {
   static const bool avx2 = cpu_has_avx2();
   if (!avx2 || !g_enabled.load(std::memory_order_relaxed)) return nullptr;
   switch (qtype) {
-    case GGML_TYPE_Q4_K: return k4_rows<false>;
-    case GGML_TYPE_Q5_K: return k4_rows<true>;
-    case GGML_TYPE_Q6_K: return q6_K_rows;
+    case GGML_TYPE_Q4_K: return group_rows<Q4Group>;
+    case GGML_TYPE_Q5_K: return group_rows<Q5Group>;
+    case GGML_TYPE_Q6_K: return group_rows<Q6Group>;
     default: return nullptr;
   }
 }

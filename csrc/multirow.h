@@ -1,4 +1,4 @@
-// Multi-row products: each weight block is unpacked once and used for every activation row.
+// Multi-row products: each weight chunk is unpacked once and used for a group of up to 4 activation rows.
 //
 // A kernel here computes out[m][n] for a tile of weight rows n and any number of activation rows m,
 // bit for bit equal to ggml's `vec_dot(K, weight row n, activation row m)` (its AVX2 build, the one the
@@ -31,9 +31,9 @@ using MultiRowFn = void (*)(int64_t k, const uint8_t* w, size_t w_row, int64_t n
 // each element with ggml's vec_dot).
 MultiRowFn multirow_kernel(int qtype);
 
-// From how many activation rows the type's kernel beats one vec_dot per element (measured on an AVX2
-// Zen 3: ggml's unrolled vec_dot overlaps its unpacking with the multiplies, so sharing the unpacking
-// pays only once several rows share it). Never changes a bit: both paths give vec_dot's bits.
+// From how many activation rows the type's kernel beats one vec_dot per element (2: one row is ggml's own
+// vec_dot, which the kernel's one-row form does not beat). Never changes a bit: both paths give vec_dot's
+// bits.
 int64_t multirow_min_rows(int qtype);
 
 // Whether multirow_kernel may return kernels (on by default; off only to measure the vec_dot path).

@@ -1,4 +1,4 @@
-"""Where one decode step (or one w-row verify pass) spends its time: a JAX profiler trace of warm steps,
+"""Where one decode step (or one w-row verify pass, or one prefill chunk) spends its time: a JAX profiler trace of warm steps,
 each XLA op's self time (its own duration less the ops nested in it, e.g. a while loop's body), grouped
 as ggml products (by the product: activation rows x weight rows), ggml routed experts, and the rest of
 XLA's ops by kind; beside the step's wall time, so the time in no op (dispatch, gaps between ops,
@@ -35,12 +35,15 @@ from experiments.pass_timing import loop_pass, row_tokens
 from experiments.presets import resolve_model
 from experiments.timing import spread
 from sharpi_jax.runtime.state import repeat_as_snapshots
+from sharpi_jax.runtime.steps import prefill_plan
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "default", "Preset name (configs/models.json), 'default' or a GGUF path.")
 flags.DEFINE_integer("prompt_tokens", 32, "Prompt prefilled before the profiled steps.")
 flags.DEFINE_integer("rows", 1, "1: profile decode steps; w >= 2: trunk verify passes of w rows (chain), "
                      "as the MTP loop runs them (commit_verify).")
+flags.DEFINE_integer("prefill", 0, "N > 0: profile prefills of N prompt tokens (one bucketed chunk, the "
+                     "chunked GDN form) instead of steps; --rows is then ignored.")
 flags.DEFINE_integer("steps", 5, "Profiled steps (after 3 warm ones).")
 flags.DEFINE_integer("max_context", 256, "KV cache positions.")
 flags.DEFINE_integer("top", 25, "Rows of the op table.")
@@ -118,7 +121,24 @@ def main(argv) -> int:
     ids = list(range(100, 100 + FLAGS.prompt_tokens))
     _, _, state = rt.prefill(rt.new_state(), ids)
     P, w = len(ids), FLAGS.rows
-    if w == 1:
+    if FLAGS.prefill:
+        n = FLAGS.prefill
+        if P + n > FLAGS.max_context:
+            return fail(f"--prompt_tokens + --prefill ({P + n}) exceed --max_context ({FLAGS.max_context})")
+        plan = prefill_plan(n, rt.prefill_buckets)
+        if len(plan) != 1:
+            return fail(f"--prefill={n} is {len(plan)} chunks (buckets {rt.prefill_buckets}); pick a bucket size")
+        B = plan[0][0]
+        toks = np.zeros(B, np.int32)
+        toks[:n] = [(100 + 7 * i) % 1000 + 10 for i in range(n)]
+        fn = rt._fns.prefill
+        args = (rt.params, rt.cache, state, toks, np.int32(P), np.int32(n))
+        def step(s):  # the same rows at the same positions each time, from the previous call's state
+            out, rt.cache = rt._fns.prefill(rt.params, rt.cache, s, toks, np.int32(P), np.int32(n))
+            return out.state
+        module = "prefill"
+        w = n
+    elif w == 1:
         fn = rt._fns.decode
         step = lambda s: rt.decode_step(s, ids[-1], P)[2]  # noqa: E731
         args = (rt.params, rt.cache, state, np.int32(ids[-1]), np.int32(P))
@@ -160,7 +180,8 @@ def main(argv) -> int:
     wall = sp["median"]
     total = sum(v[1] for v in per_kind.values()) / n / 1e3
     rows = sorted(per_kind.items(), key=lambda kv: -kv[1][1])
-    print(f"{path.name}: {'decode step' if w == 1 else f'verify pass of {w} rows'}, median wall {wall:.2f} ms "
+    what = (f"prefill of {w} rows" if FLAGS.prefill else "decode step" if w == 1 else f"verify pass of {w} rows")
+    print(f"{path.name}: {what}, median wall {wall:.2f} ms "
           f"[{sp['min']:.2f}-{sp['max']:.2f}] over {n} steps (profiled)")
     faults = (r1.ru_minflt - r0.ru_minflt) / n
     print(f"process per step: {faults:.0f} minor page faults (fresh pages of new buffers), "
@@ -177,7 +198,7 @@ def main(argv) -> int:
     print(f"{rest:8.2f} {100 * rest / wall:6.1f} {'':>6}  ({len(rows) - FLAGS.top} more kinds)"
           if len(rows) > FLAGS.top else "")
     if FLAGS.json_out:
-        Path(FLAGS.json_out).write_text(json.dumps({"model": str(path), "rows": w, "wall_ms": walls,
+        Path(FLAGS.json_out).write_text(json.dumps({"model": str(path), "rows": w, "prefill": bool(FLAGS.prefill), "wall_ms": walls,
                                                     "ops_ms": total, "minor_faults": faults, "table": table},
                                                    indent=1))
     return 0

@@ -221,27 +221,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "multirow_wrong_subblock_scale",
         "ggml backend: multi-row K-quant products give ggml's vec_dot bits",
         "csrc/multirow.cc",
-        (("  for (int c = 0; c < 8; ++c) b.sc[c] = spread16(scales, c);\n",
-          "  for (int c = 0; c < 8; ++c) b.sc[c] = spread16(scales, c == 5 ? 4 : c);  // MUTATION: sub-block 5\n"),),
+        (("        const __m256i sl = spread16(scales, 2 * j), sh = spread16(scales, 2 * j + 1);\n",
+          "        const __m256i sl = spread16(scales, j == 2 ? 5 : 2 * j), sh = spread16(scales, 2 * j + 1);  // MUTATION\n"),),
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
     ),
     Mutation(
         "multirow_neighbour_row",
         "ggml backend: a row's bits depend only on its own activation row (row-stable)",
         "csrc/multirow.cc",
-        (("        rs.out[r0 + r][n] = hsum8(acc[r]) + tail;\n",
-          "        rs.out[r0 + r][n] = hsum8(acc[r == nr - 1 && r > 0 ? r - 1 : r]) + tail;  // MUTATION\n"),),
+        (("      out[r][n] = hsum8(acc[r]) + tail;\n",
+          "      out[r][n] = hsum8(acc[r == R - 1 && r > 0 ? r - 1 : r]) + tail;  // MUTATION\n"),),
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
     ),
     Mutation(
-        "multirow_partial_row_block_skipped",
+        "multirow_last_row_group_skipped",
         "ggml backend: multi-row K-quant products give ggml's vec_dot bits",
         "csrc/multirow.cc",
-        (("      for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = _mm256_setzero_ps();\n"
-          "      for (int64_t i = 0; i < nb; ++i) {\n        const uint8_t* blk = wr + i * kQ6K;\n",
-          "      if (nr < kRowBlock) continue;  // MUTATION: the last partial block of rows skipped\n"
-          "      for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = _mm256_setzero_ps();\n"
-          "      for (int64_t i = 0; i < nb; ++i) {\n        const uint8_t* blk = wr + i * kQ6K;\n"),),
+        (("  for (int64_t g = 0; g < groups; ++g) {\n",
+          "  for (int64_t g = 0; g < groups - (groups > 1); ++g) {  // MUTATION: the last group of rows skipped\n"),),
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
     ),
     Mutation(

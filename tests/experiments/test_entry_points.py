@@ -130,6 +130,9 @@ COMMANDS = {
     "test_profile_step": ("profile_step", lambda t: [
         "--rows=3", "--steps=2", "--prompt_tokens=8", "--max_context=64", f"--json_out={t / 'prof.json'}"]),
     "test_profile_step_past_the_context": ("profile_step", lambda t: ["--rows=300"]),
+    "test_profile_step_prefill": ("profile_step", lambda t: [
+        "--prefill=32", "--steps=2", "--prompt_tokens=8", "--max_context=64", f"--json_out={t / 'prof.json'}"]),
+    "test_profile_step_prefill_of_two_chunks": ("profile_step", lambda t: ["--prefill=40"]),
     "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
         "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
@@ -328,6 +331,23 @@ def test_profile_step_past_the_context(runs, request):
     _, res = result(runs, request)
     assert res.returncode == 2 and res.stdout == ""
     assert own_lines(res.stderr) == ["error: --prompt_tokens + --rows (332) exceed --max_context (256)"]
+
+
+def test_profile_step_prefill(runs, request):
+    """A prefill chunk of 32 rows: the ggml products of its 32 rows, named by their shapes."""
+    tmp, res = result(runs, request)
+    assert "prefill of 32 rows" in ok(res).stdout
+    rec = json.loads((tmp / "prof.json").read_text())
+    assert rec["prefill"] and rec["rows"] == 32 and len(rec["wall_ms"]) == 2
+    ops = [r["op"] for r in rec["table"]]
+    assert any(op.startswith("ggml matmul [32 x ") for op in ops), ops
+    assert any(op.startswith("ggml experts [32 x ") for op in ops), ops
+
+
+def test_profile_step_prefill_of_two_chunks(runs, request):
+    _, res = result(runs, request)
+    assert res.returncode == 2 and res.stdout == ""
+    assert own_lines(res.stderr) == ["error: --prefill=40 is 2 chunks (buckets (32, 128, 256)); pick a bucket size"]
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):

@@ -1,11 +1,11 @@
-"""Multi-row kernels (csrc/multirow.cc): each weight block unpacked once for all rows, ggml's bits.
+"""Multi-row kernels (csrc/multirow.cc): each weight chunk unpacked once for a group of rows, ggml's bits.
 
 References independent of the kernels: ggml's own graph (`ggml_mul_mat` on ggml's CPU backend through
 ctypes, experiments/ggml_graph.py) and ggml's vec_dot path of the same extension (`set_multirow(False)`,
 one ggml vec_dot per element). Blocks are real: fixture tensors and ggml's own quantizer at K = 2048 (the
 35B hidden size: several super-blocks per row) with a partial last tile of weight rows. Row counts cover
-both sides of the vec_dot / multi-row switch (`multirow_min_rows`: 3 or 6), a partial block of 16 activation rows and
-several blocks.
+both sides of the vec_dot / multi-row switch (`multirow_min_rows`: 2), every group size of the kernels (2 to 4 rows;
+M = 5, 6 and 17 run as groups of 2 + 3, 3 + 3 and 3 + 3 + 3 + 4 + 4) and many groups.
 """
 
 from __future__ import annotations
