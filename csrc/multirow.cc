@@ -135,9 +135,12 @@ SHARPI_AVX2 void k4_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0,
         const float yd = q8k_d(y);
         const float d = yd * xd;
         const float dmin = -yd * xdmin;
+        // The mins term's 4 int32 lanes: lane i = mn[2i] * s[2i] + mn[2i+1] * s[2i+1], s[j] the sum of
+        // activation sub-block j (its two bsums, added in int16 as ggml's hadd does).
         const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 260));
         const __m128i prod = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
         if (kQ5) {
+          // ggml's `summs += dmin * int`: its build contracts this into one fused multiply-add.
           __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, _mm_setzero_si128()), _mm_setzero_si128());
           summs[r] = std::fma(dmin, static_cast<float>(_mm_extract_epi32(hs, 0)), summs[r]);
         } else {
