@@ -1,11 +1,11 @@
-"""Where one decode step (or one w-row verify pass, or one prefill chunk) spends its time: a JAX profiler trace of warm steps,
-each XLA op's self time (its own duration less the ops nested in it, e.g. a while loop's body), grouped
-as ggml products (by the product: activation rows x weight rows), ggml routed experts, and the rest of
-XLA's ops by kind; beside the step's wall time, so the time in no op (dispatch, gaps between ops,
-waiting for the op's threads) shows as the remainder; and the process's minor page faults and system
-CPU per step (a buffer XLA allocates afresh each step is faulted in page by page). Ops that XLA runs
-concurrently overlap, so their self times may add up to more than the wall time. Finds what costs
-more than its bytes.
+"""Where one decode step (or one w-row verify pass, or one prefill chunk) spends its time: a JAX profiler
+trace of warm steps, each XLA op's self time (its own duration less the ops nested in it, e.g. a while
+loop's body), grouped as ggml products (by the product: activation rows x weight rows), ggml routed
+experts, and the rest of XLA's ops by kind; beside the step's wall time, so the time in no op (dispatch,
+gaps between ops, waiting for the op's threads) shows as the remainder; and the process's minor page
+faults and system CPU per step (a buffer XLA allocates afresh each step is faulted in page by page). Ops
+that XLA runs concurrently overlap, so their self times may add up to more than the wall time. Finds what
+costs more than its bytes.
 
     python -m experiments.profile_step --model=/work/twin/twin-research-40L-Q4_K_M.gguf --rows=1
 
@@ -107,8 +107,8 @@ def main(argv) -> int:
     del argv
     import sharpi_jax as sj
 
-    if FLAGS.rows < 1 or FLAGS.steps < 1 or FLAGS.prompt_tokens < 1:
-        return fail("--rows, --steps and --prompt_tokens must be at least 1")
+    if FLAGS.rows < 1 or FLAGS.steps < 1 or FLAGS.prompt_tokens < 1 or FLAGS.prefill < 0:
+        return fail("--rows, --steps and --prompt_tokens must be at least 1, --prefill at least 0")
     if FLAGS.prompt_tokens + FLAGS.rows > FLAGS.max_context:
         return fail(f"--prompt_tokens + --rows ({FLAGS.prompt_tokens + FLAGS.rows}) exceed --max_context "
                     f"({FLAGS.max_context})")
@@ -198,8 +198,8 @@ def main(argv) -> int:
     print(f"{rest:8.2f} {100 * rest / wall:6.1f} {'':>6}  ({len(rows) - FLAGS.top} more kinds)"
           if len(rows) > FLAGS.top else "")
     if FLAGS.json_out:
-        Path(FLAGS.json_out).write_text(json.dumps({"model": str(path), "rows": w, "prefill": bool(FLAGS.prefill), "wall_ms": walls,
-                                                    "ops_ms": total, "minor_faults": faults, "table": table},
+        Path(FLAGS.json_out).write_text(json.dumps({"model": str(path), "rows": w, "prefill": bool(FLAGS.prefill),
+                                                    "wall_ms": walls, "ops_ms": total, "minor_faults": faults, "table": table},
                                                    indent=1))
     return 0
 
