@@ -75,7 +75,7 @@ def test_multirow_equals_vec_dot_path(qt, request):
 
 
 def test_grouped_experts_multirow_equals_vec_dot_path(request):
-    """Experts shared by many tokens (groups of 6+ rows run multi-row) against the vec_dot path."""
+    """Experts shared by many tokens (groups of 2+ rows run multi-row) against the vec_dot path."""
     qtypes = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
     gate, up, down = _experts(qtypes, e=4, d=512, f=256, seed=3)
     x = _x(24, 512, seed=4)
