@@ -134,7 +134,7 @@ def main(argv) -> int:
         fn = rt._fns.prefill
         args = (rt.params, rt.cache, state, toks, np.int32(P), np.int32(n))
         def step(s):  # the same rows at the same positions each time, from the previous call's state
-            out, rt.cache = rt._fns.prefill(rt.params, rt.cache, s, toks, np.int32(P), np.int32(n))
+            out, rt.cache = fn(rt.params, rt.cache, s, toks, np.int32(P), np.int32(n))
             return out.state
         module = "prefill"
         w = n

@@ -132,12 +132,10 @@ def fixture_engine(name: str, variant: str, max_context: int, prefill_buckets: t
     return sj.load(fixture_path(name, f"{name}-{variant}.gguf"), max_context=max_context, **options)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_code():
-    """After each test module, drop the cached engines and JAX's compiled executables. Each XLA:CPU
-    executable keeps its code mapped; kept for the whole session they pushed the process past the
-    kernel's 65,530 memory-map limit and XLA crashed while compiling (SIGSEGV / abort)."""
-    yield
+def release_compiled_code() -> None:
+    """Drop the cached engines and JAX's compiled executables. Each XLA:CPU executable keeps its code
+    mapped; kept too long they pushed the process past the kernel's 65,530 memory-map limit and XLA
+    crashed while compiling (SIGSEGV / abort)."""
     import gc
 
     import jax
@@ -145,3 +143,10 @@ def _release_compiled_code():
     fixture_engine.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """After each test module, `release_compiled_code`."""
+    yield
+    release_compiled_code()

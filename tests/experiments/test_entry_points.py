@@ -316,15 +316,22 @@ def test_bench_session(runs, request):
     assert all(r["same_tokens"] for r in recs)
 
 
+def _profiled(runs, request, heading: str, rows: int) -> dict:
+    """profile_step's record: the heading printed, 2 profiled steps, the ggml products of `rows` rows named
+    by their shapes."""
+    tmp, res = result(runs, request)
+    assert heading in ok(res).stdout
+    rec = json.loads((tmp / "prof.json").read_text())
+    assert rec["rows"] == rows and len(rec["wall_ms"]) == 2 and 0 < rec["ops_ms"]
+    ops = [r["op"] for r in rec["table"]]
+    assert any(op.startswith(f"ggml matmul [{rows} x ") for op in ops), ops
+    assert any(op.startswith(f"ggml experts [{rows} x ") for op in ops), ops
+    return rec
+
+
 def test_profile_step(runs, request):
     """A verify pass of 3 rows: its ops' self times, the ggml products named by their shapes (3 rows)."""
-    tmp, res = result(runs, request)
-    assert "verify pass of 3 rows" in ok(res).stdout
-    rec = json.loads((tmp / "prof.json").read_text())
-    assert rec["rows"] == 3 and len(rec["wall_ms"]) == 2 and 0 < rec["ops_ms"]
-    ops = [r["op"] for r in rec["table"]]
-    assert any(op.startswith("ggml matmul [3 x ") for op in ops), ops
-    assert any(op.startswith("ggml experts [3 x ") for op in ops), ops
+    assert not _profiled(runs, request, "verify pass of 3 rows", 3)["prefill"]
 
 
 def test_profile_step_past_the_context(runs, request):
@@ -335,13 +342,7 @@ def test_profile_step_past_the_context(runs, request):
 
 def test_profile_step_prefill(runs, request):
     """A prefill chunk of 32 rows: the ggml products of its 32 rows, named by their shapes."""
-    tmp, res = result(runs, request)
-    assert "prefill of 32 rows" in ok(res).stdout
-    rec = json.loads((tmp / "prof.json").read_text())
-    assert rec["prefill"] and rec["rows"] == 32 and len(rec["wall_ms"]) == 2
-    ops = [r["op"] for r in rec["table"]]
-    assert any(op.startswith("ggml matmul [32 x ") for op in ops), ops
-    assert any(op.startswith("ggml experts [32 x ") for op in ops), ops
+    assert _profiled(runs, request, "prefill of 32 rows", 32)["prefill"]
 
 
 def test_profile_step_prefill_of_two_chunks(runs, request):

@@ -10,7 +10,6 @@ Fast tier: the embedded default model (B = 1, 3, 8) and one fixture file; slow: 
 from __future__ import annotations
 
 import dataclasses
-import gc
 from pathlib import Path
 
 import jax
@@ -30,7 +29,7 @@ from sharpi_jax.runtime.strategies.plain import generate_ids_device
 from sharpi_jax.runtime import tree_draft
 from sharpi_jax.runtime.strategies.tree import generate_tree_device
 from tests.bitwise import assert_bitwise_equal
-from tests.conftest import fixture_engine, load_references
+from tests.conftest import fixture_engine, load_references, release_compiled_code
 from tests.runtime.test_device_loop import VARIANTS  # every fixture file
 
 GREEDY = SamplingParams()
@@ -122,11 +121,9 @@ def test_every_fixture_file(name, variant):
                 check(e, prompts, mode, sampling)
     finally:
         # Each file compiles ~20 programs; kept for the module, 6 files' code pushed the process past the
-        # kernel's memory-map limit and XLA crashed compiling the 7th (conftest's `_release_compiled_code`).
+        # kernel's memory-map limit and XLA crashed compiling the 7th.
         del e
-        fixture_engine.cache_clear()
-        jax.clear_caches()
-        gc.collect()
+        release_compiled_code()
 
 
 def test_engine_generate_batch(default_engine):
