@@ -711,6 +711,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("        _choice(\"loop\", self.loop, LOOP_CHOICES)\n", ""),),
         ("tests/runtime/test_options.py", "-k", "bad_values"),
     ),
+    Mutation(
+        "llama_bin_flattened_links_used_as_is",
+        "the benchmarks' --llama_bin mirrors a bin directory whose library links were flattened into text files",
+        "experiments/llama_cpp_side.py",
+        (("    if not any(_link_stub(p) for p in d.iterdir()):\n",
+          "    if True:  # MUTATION: flattened links never mirrored\n"),),
+        ("tests/test_llama_cpp_side.py::test_find_tool_mirrors_flattened_library_links",),
+    ),
 )
 
 
