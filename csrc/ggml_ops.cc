@@ -498,6 +498,10 @@ NB_MODULE(_ggml, m) {
         "Turns the multi-row kernels on (default) or off (every element by vec_dot; same bits, for timing).");
   m.def("multirow", [](int qtype) { return sharpi::multirow_kernel(qtype) != nullptr; },
         "Whether products of this type run a multi-row kernel now (AVX2 CPU, enabled, type served).");
+  m.def("multirow_isa", &sharpi::multirow_isa,
+        "The instruction set of the multi-row kernels: \"avx512\", \"avx2\" or \"\" (none on this CPU).");
+  m.def("set_multirow_isa", &sharpi::set_multirow_isa,
+        "Picks \"avx512\", \"avx2\" or \"best\"; False when this CPU cannot run the set named (same bits).");
   m.def("multirow_min_rows", &sharpi::multirow_min_rows,
         "Rows from which this type's products use its multi-row kernel (fewer: vec_dot per element).");
   m.def("check_type", &check_type, "\"\" if ggml's CPU backend multiplies this type, else why not.");

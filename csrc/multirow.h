@@ -1,4 +1,5 @@
-// Multi-row products: each weight chunk is unpacked once and used for a group of up to 4 activation rows.
+// Multi-row products: each weight chunk is unpacked once and used for a group of activation rows (up to 4
+// with AVX2, up to 8 with AVX-512).
 //
 // A kernel here computes out[m][n] for a tile of weight rows n and any number of activation rows m,
 // bit for bit equal to ggml's `vec_dot(K, weight row n, activation row m)` (its AVX2 build, the one the
@@ -11,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace sharpi {
 
@@ -39,5 +41,20 @@ int64_t multirow_min_rows(int qtype);
 // Whether multirow_kernel may return kernels (on by default; off only to measure the vec_dot path).
 void set_multirow_enabled(bool on);
 bool multirow_enabled();
+
+// The instruction set of the kernels multirow_kernel returns: the best this CPU runs (AVX-512 with VNNI
+// where the CPU has AVX-512 F / BW / VL / VNNI, else AVX2), unless the environment variable
+// SHARPI_GGML_ISA=avx2 or set_multirow_isa picks AVX2. Both sets give the same bits (ggml's).
+enum class Isa { kNone, kAvx2, kAvx512 };
+// "avx512", "avx2" or "" (no kernels on this CPU).
+std::string multirow_isa();
+// Picks "avx512", "avx2" or "best"; false (nothing changed) when this CPU cannot run the set named.
+bool set_multirow_isa(const std::string& name);
+
+// The AVX2 kernels (csrc/multirow.cc), the AVX-512 ones (csrc/multirow_avx512.cc) and whether this CPU
+// runs the latter; nullptr for a type neither serves.
+MultiRowFn avx2_kernel(int qtype);
+bool cpu_has_avx512_kernels();
+MultiRowFn avx512_kernel(int qtype);
 
 }  // namespace sharpi

@@ -13,6 +13,10 @@ length, 2 threads; run once in each round, `-r 1`, interleaved with ours, so bot
 load), or else when llama-cpp-python is importable (after our rounds), with the ratios ours / llama.cpp.
 Each model runs once per --kernels entry (the matmul backend, `sj.load(kernels=...)`; default ggml and
 xla, side by side in the same interleaved rounds) and per --repacks entry (`sj.load(repack=...)`).
+A kernels entry `ggml:avx2` or `ggml:avx512` runs the ggml backend with that instruction set's multi-row
+kernels (the same engine, the same bits; `ggml:avx512,ggml:avx2` puts both side by side on an AVX-512 CPU).
+llama.cpp runs once per --llama_cpu_variants entry: `auto` is its own pick of CPU backend variant (the
+best this CPU runs), a name such as `haswell` (its AVX2 build) loads only that variant.
 Beside tok/s every row prints the weights it holds (GiB), the bytes one decoded token reads with its
 layouts against the floor (the file's own bytes of the non-expert tensors + top-k experts per layer +
 one embedding row), the process CPU seconds of one timed generate call (summed over threads: the
@@ -67,7 +71,10 @@ flags.DEFINE_list("width_threads", ["2"], "Thread counts of the --widths table: 
                   "bound to that many cores (sched_setaffinity), llama.cpp with -t.")
 flags.DEFINE_string("jsonl", None, "Also append one JSON line per model here.")
 flags.DEFINE_list("kernels", ["ggml", "xla"], "Matmul backends to compare, each a sj.load kernels=: "
-                  "auto | ggml | xla | pallas | reference.")
+                  "auto | ggml | xla | pallas | reference; ggml:avx2 / ggml:avx512: ggml with that instruction "
+                  "set's multi-row kernels.")
+flags.DEFINE_list("llama_cpu_variants", ["auto"], "llama.cpp CPU backend variants to run: auto (its own pick) "
+                  "and / or variant names of its libggml-cpu-<name>.so (haswell: AVX2).")
 flags.DEFINE_list("repacks", ["auto"], "Matrix layouts to compare, each a sj.load repack=: auto | none | int8.")
 
 
@@ -101,8 +108,14 @@ def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str |
     import sharpi_jax as sj
     from sharpi_jax.model.footprint import backend_summary, decode_floor_bytes, decode_read_bytes, held_bytes
 
+    backend, isa = _split_kernels(kernels)
+    use_isa(isa)
+    key = (str(path), repack, backend)
+    if key in _ENGINES:  # the same engine under another instruction set
+        engine, ids, info = _ENGINES[key]
+        return engine, ids, {**info, "kernels": kernels, "isa": isa_name()}
     t = time.perf_counter()
-    engine = sj.load(path, max_context=FLAGS.max_context, kernels=kernels, repack=repack)
+    engine = sj.load(path, max_context=FLAGS.max_context, kernels=backend, repack=repack)
     load_s = time.perf_counter() - t
     footprint = {"held_gib": sum(held_bytes(engine.model).values()) / 2**30,
                  "backends": backend_summary(engine.matrix_backends),
@@ -111,8 +124,46 @@ def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str |
     ids = _prompt(engine, n_prompt, fixture_dir)
     t = time.perf_counter()
     engine.generate(ids, max_new_tokens=max(3, n_decode), stop_on_eos=False)  # compiles prefill and decode
-    return engine, ids, {"load_s": load_s, "warmup_s": time.perf_counter() - t, "kernels": engine.matrix_format.backend,
-                         "rss_anon_gib": rss_anon_gib(), **footprint}
+    info = {"load_s": load_s, "warmup_s": time.perf_counter() - t,
+            "kernels": engine.matrix_format.backend + (f":{isa}" if isa else ""),
+            "isa": isa_name(), "rss_anon_gib": rss_anon_gib(), **footprint}
+    _ENGINES[key] = (engine, ids, info)
+    return engine, ids, info
+
+
+_ENGINES: dict[tuple, tuple] = {}
+
+
+def _split_kernels(kernels: str) -> tuple[str, str | None]:
+    """'ggml:avx2' -> ('ggml', 'avx2'); 'xla' -> ('xla', None)."""
+    backend, _, isa = kernels.partition(":")
+    if isa and backend != "ggml":
+        raise ValueError(f"--kernels={kernels}: an instruction set applies to the ggml backend only (ggml:{isa})")
+    if isa and isa not in ("avx2", "avx512"):
+        raise ValueError(f"--kernels={kernels}: the instruction set is avx2 or avx512, got {isa!r}")
+    return backend, isa or None
+
+
+def use_isa(isa: str | None) -> None:
+    """The ggml backend's multi-row kernels from now on: `isa`'s, or (None) the process's own (the best this
+    CPU runs, unless SHARPI_GGML_ISA picked another)."""
+    from sharpi_jax.quant import ggml
+
+    if not ggml.available():
+        return
+    _PROCESS_ISA.setdefault("isa", ggml.multirow_isa() or "best")
+    if not ggml.set_multirow_isa(isa or _PROCESS_ISA["isa"]):
+        raise ValueError(f"this CPU cannot run the {isa} multi-row kernels (ggml.multirow_isa() here: "
+                         f"{ggml.multirow_isa() or 'none'})")
+
+
+_PROCESS_ISA: dict[str, str] = {}
+
+
+def isa_name() -> str | None:
+    from sharpi_jax.quant import ggml
+
+    return (ggml.multirow_isa() or None) if ggml.available() else None
 
 
 def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, str]], repeats: int
@@ -136,14 +187,16 @@ def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, 
 
     side = []
     if llama_cpp_side.find_tool(FLAGS.llama_bin, llama_cpp_side.BENCH_TOOL) is not None:
-        side = list(dict.fromkeys((str(m[1]), len(c[1]), c[2]) for m, c in zip(models, loaded)))
+        side = list(dict.fromkeys((str(m[1]), len(c[1]), c[2], v) for m, c in zip(models, loaded)
+                                  for v in llama_variants()))
 
     def run(cell):
         if isinstance(cell[0], str):  # llama-bench, one repetition
-            path, n_prompt, n_decode = cell
+            path, n_prompt, n_decode, variant = cell
             return llama_cpp_side.prefill_decode(Path(path), [0] * n_prompt, n_decode, threads=FLAGS.threads,
-                                                 llama_bin=FLAGS.llama_bin, repetitions=1)
-        engine, ids, n_decode, _ = cell
+                                                 llama_bin=llama_variants()[variant], repetitions=1)
+        engine, ids, n_decode, info = cell
+        use_isa(_split_kernels(info["kernels"])[1])
         c0 = time.process_time()
         out = engine.generate(ids, max_new_tokens=n_decode, stop_on_eos=False)
         return out, time.process_time() - c0
@@ -171,24 +224,47 @@ def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, 
         put_spread(row, "decode_tok_s", [o.stats.speed.decode_tok_s for o in outs])
         put_spread(row, "cpu_s_per_call", [c for _, c in timed])
         rows.append(row)
+    use_isa(None)
     return rows, llama, [c[0] for c in loaded]
 
 
+def llama_variants() -> dict[str, str]:
+    """{--llama_cpu_variants entry: the bin directory that runs it}, entries this build lacks left out
+    (with a warning)."""
+    if not FLAGS.llama_bin:
+        return {"auto": None}  # the runners then say there is no llama-bench
+    out = {}
+    for v in FLAGS.llama_cpu_variants:
+        d = llama_cpp_side.cpu_variant_bin(FLAGS.llama_bin, v)
+        if d is None:
+            logging.warning("llama.cpp at %s has no CPU variant %r (no libggml-cpu-%s.so): left out", FLAGS.llama_bin, v, v)
+        else:
+            out[v] = d
+    return out
+
+
 def bench_widths(models, engines, rows) -> list[dict]:
-    """Per model and thread count: --repeats interleaved rounds, each timing our w-row passes (median of 3
-    calls per w, experiments.pass_timing) and then llama-bench -p w -n 0 -r 3 on the same file; records
-    with median / min / max over rounds of our chain pass, the decode step and llama.cpp's batch ms."""
+    """Per thread count: --repeats rounds, each timing every configuration's w-row passes (median of 3 calls
+    per w, experiments.pass_timing; with --vec_dot_beside also with the multi-row kernels off) and then
+    llama-bench -p w -n 0 -r 3 once per file and --llama_cpu_variants entry; records per configuration and
+    w with median / min / max over rounds of our chain pass and llama.cpp's batch ms (every configuration
+    on a file shares that file's llama.cpp figures)."""
     from experiments.pass_timing import pass_timing
 
     widths = sorted({1, *(int(w) for w in FLAGS.widths)})
     cores = sorted(os.sched_getaffinity(0))
+    variants = llama_variants()
+    files = list(dict.fromkeys(str(m[1]) for m in models))
     out = []
     for t in (int(x) for x in FLAGS.width_threads):
-        for (name, path, *_), engine, row in zip(models, engines, rows):
-            ours, llama, vd = ({w: [] for w in widths} for _ in range(3))
-            dec, experts, err = [], {}, None
-            for rnd in range(FLAGS.repeats):
+        ours, vd = ([{w: [] for w in widths} for _ in models] for _ in range(2))
+        experts = [{} for _ in models]
+        llama = {f: {v: {w: [] for w in widths} for v in variants} for f in files}
+        err = {}
+        for rnd in range(FLAGS.repeats):
+            for i, (engine, row) in enumerate(zip(engines, rows)):
                 os.sched_setaffinity(0, cores[:t])
+                use_isa(_split_kernels(row["kernels"])[1])
                 try:
                     recs = pass_timing(engine, row["ids"], widths, 3)
                     if FLAGS.vec_dot_beside:
@@ -197,36 +273,42 @@ def bench_widths(models, engines, rows) -> list[dict]:
                         ggml.set_multirow(False)
                         try:
                             for r in pass_timing(engine, row["ids"], widths, 3):
-                                vd[r["rows"]].append(r["chain_ms"])
+                                vd[i][r["rows"]].append(r["chain_ms"])
                         finally:
                             ggml.set_multirow(True)
                 finally:
                     os.sched_setaffinity(0, cores)
+                    use_isa(None)
                 for r in recs:
-                    ours[r["rows"]].append(r["chain_ms"])
-                    experts[r["rows"]] = r.get("experts_per_pass")
-                dec.append(recs[0]["decode_ms"])
-                lc = llama_cpp_side.batch_pass_ms(path, widths, threads=t, llama_bin=FLAGS.llama_bin)
-                if "error" in lc:
-                    err = lc["error"]
-                else:
-                    for w in widths:
-                        llama[w].append(float(np.median(lc[w])))
-                print(f"  widths {name} [{row['kernels']}] threads={t}: round {rnd + 1}/{FLAGS.repeats}",
-                      file=sys.stderr, flush=True)
+                    ours[i][r["rows"]].append(r["chain_ms"])
+                    experts[i][r["rows"]] = r.get("experts_per_pass")
+            for f in files:
+                for v, bin_dir in variants.items():
+                    lc = llama_cpp_side.batch_pass_ms(Path(f), widths, threads=t, llama_bin=bin_dir)
+                    if "error" in lc:
+                        err[f] = lc["error"]
+                    else:
+                        for w in widths:
+                            llama[f][v][w].append(float(np.median(lc[w])))
+            print(f"  widths threads={t}: round {rnd + 1}/{FLAGS.repeats}", file=sys.stderr, flush=True)
+        for i, (model, row) in enumerate(zip(models, rows)):
+            f = str(model[1])
             for w in widths:
-                rec = {"model": name, "kernels": row["kernels"], "threads": t, "rows": w,
-                       "experts_per_pass": experts[w]}
-                put_spread(rec, "pass_ms", ours[w])
-                rec["pass_over_decode"] = rec["pass_ms"] / float(np.median(ours[1]))
-                if vd[w]:
-                    put_spread(rec, "vec_dot_pass_ms", vd[w])
-                    rec["vec_dot_over_decode"] = rec["vec_dot_pass_ms"] / float(np.median(vd[1]))
-                if llama[w]:
-                    put_spread(rec, "llama_ms", llama[w])
-                    rec["llama_over_1"] = rec["llama_ms"] / float(np.median(llama[1]))
-                elif err:
-                    rec["llama_error"] = err
+                rec = {"model": model[0], "kernels": row["kernels"], "threads": t, "rows": w,
+                       "experts_per_pass": experts[i][w]}
+                put_spread(rec, "pass_ms", ours[i][w])
+                rec["pass_over_decode"] = rec["pass_ms"] / float(np.median(ours[i][1]))
+                if vd[i][w]:
+                    put_spread(rec, "vec_dot_pass_ms", vd[i][w])
+                    rec["vec_dot_over_decode"] = rec["vec_dot_pass_ms"] / float(np.median(vd[i][1]))
+                for j, (v, lw) in enumerate(llama[f].items()):
+                    if lw[w]:
+                        pre = "llama" if j == 0 else f"llama_{v}"
+                        put_spread(rec, f"{pre}_ms", lw[w])
+                        rec[f"{pre}_over_1"] = rec[f"{pre}_ms"] / float(np.median(lw[1]))
+                        rec[f"{pre}_variant"] = v
+                if "llama_ms" not in rec and f in err:
+                    rec["llama_error"] = err[f]
                 out.append(rec)
     return out
 
@@ -244,15 +326,21 @@ def print_widths(recs: list[dict]) -> None:
         ex = f"{r['experts_per_pass']:12.1f}" if r.get("experts_per_pass") is not None else f"{'-':>12s}"
         print(f"{r['model']:30s} {r['kernels']:>7s} {r['threads']:>3d} {r['rows']:>3d} "
               f"{fmt_spread(r['pass_ms_runs'], 24, 1)} {r['pass_over_decode']:10.2f} {ex} {lc}")
+        for k in r:
+            if k.startswith("llama_") and k.endswith("_variant") and k != "llama_variant":
+                pre = k[:-len("_variant")]
+                print(f"{'':30s} {'':>7s} {'':>3s} {'':>3s} {'':>24s} {'':>10s} {'':>12s} "
+                      f"{fmt_spread(r[pre + '_ms_runs'], 24, 1)} {r[pre + '_over_1']:11.2f} "
+                      f"{r['pass_ms'] / r[pre + '_ms']:10.2f}   (llama.cpp CPU variant {r[k]})")
         if "vec_dot_pass_ms" in r:
             print(f"{'':30s} {'vec_dot':>7s} {'':>3s} {'':>3s} {fmt_spread(r['vec_dot_pass_ms_runs'], 24, 1)} "
                   f"{r['vec_dot_over_decode']:10.2f}   (multi-row kernels off, same rounds)")
 
 
-def bench_llama_cpp(path: Path, ids: list[int], n_decode: int) -> dict | None:
+def bench_llama_cpp(path: Path, ids: list[int], n_decode: int, llama_bin: str | None) -> dict | None:
     """llama.cpp prefill / decode figures on the same file and prompt (`llama_cpp_side`)."""
     return llama_cpp_side.prefill_decode(path, ids, n_decode, threads=FLAGS.threads, n_ctx=FLAGS.max_context,
-                                         llama_bin=FLAGS.llama_bin)
+                                         llama_bin=llama_bin)
 
 
 def _models() -> list[tuple[str, Path, Path | None, int, int, str | None, str]]:
@@ -311,6 +399,12 @@ def main(argv) -> int:
     header = (f"{'model':34s} {'kernels':>7s} {'prefill tok/s [min-max]':>26s} {'decode tok/s [min-max]':>24s} "
               f"{'cpu s/call':>10s} {'held GiB':>8s} {'MiB/token (floor)':>18s} {'RssAnon GiB (+)':>15s}   "
               f"{'llama.cpp prefill':>17s} {'decode':>8s}   {'ours/llama.cpp prefill':>22s} {'decode':>7s}")
+    try:  # the --kernels entries, checked before any model loads
+        for k in FLAGS.kernels:
+            use_isa(_split_kernels(k)[1])
+        use_isa(None)
+    except ValueError as e:
+        return fail(e)
     models = _models()
     if not models:
         return fail("no model to bench (no fixtures found, --nosynthetic, or --only matched nothing)")
@@ -325,9 +419,10 @@ def main(argv) -> int:
     print("-" * len(header))
     for (name, path, _, _, n_decode, _, _), ours in zip(models, ours_rows):
         ids = ours.pop("ids")
-        key = (str(path), len(ids), n_decode)
+        variants = list(llama_variants()) or ["auto"]
+        key = (str(path), len(ids), n_decode, variants[0])
         if key not in llama:  # once per file, whatever our layouts
-            llama[key] = bench_llama_cpp(path, ids, n_decode)
+            llama[key] = bench_llama_cpp(path, ids, n_decode, llama_variants().get(variants[0], FLAGS.llama_bin))
         ref = llama[key]
         lc = ""
         if ref and "error" not in ref:
@@ -343,7 +438,15 @@ def main(argv) -> int:
         print(f"{name:34s} {ours['kernels']:>7s} {fmt_spread(ours['prefill_tok_s_runs'], 26, digits('prefill_tok_s'))} "
               f"{fmt_spread(ours['decode_tok_s_runs'], 24, digits('decode_tok_s'))} {ours['cpu_s_per_call']:10.2f} "
               f"{ours['held_gib']:8.2f} {mem:>18s} {rss:>15s}   {lc}", flush=True)
-        row = {"model": name, "path": str(path), **ours, "llama_cpp": ref, "copy_gb_s": bw["median"],
+        others = {v: llama.get(key[:3] + (v,)) for v in variants[1:]}
+        for v, other in others.items():
+            if other and "error" not in other:
+                print(f"{'':34s} {'':>7s} {'':>26s} {'':>24s} {'':>10s} {'':>8s} {'':>18s} {'':>15s}   "
+                      f"{other['prefill_tok_s']:17.1f} {other['decode_tok_s']:8.2f}   "
+                      f"{ours['prefill_tok_s'] / other['prefill_tok_s']:22.2f} "
+                      f"{ours['decode_tok_s'] / other['decode_tok_s']:7.2f}   (llama.cpp CPU variant {v})")
+        row = {"model": name, "path": str(path), **ours, "llama_cpp": ref, "llama_cpp_variant": variants[0],
+               "llama_cpp_other_variants": others, "copy_gb_s": bw["median"],
                "load_avg": os.getloadavg()[0], "file_gib": path.stat().st_size / 2**30}
         rows.append(row)
         if FLAGS.jsonl:
@@ -368,9 +471,9 @@ def main(argv) -> int:
     print(f"\n(prompt {FLAGS.prompt_tokens} tokens, {FLAGS.decode_tokens} decoded; synthetic: "
           f"{FLAGS.synthetic_prompt_tokens} / {FLAGS.synthetic_decode_tokens}; ours: median [min-max] of "
           f"{FLAGS.repeats} warm interleaved rounds, ratios of medians; {os.cpu_count()} CPU cores)")
-    for (path, n_prompt, n_decode), ref in llama.items():
+    for (path, n_prompt, n_decode, variant), ref in llama.items():
         if ref and ref.get("interleaved"):
-            print(f"llama.cpp on {Path(path).name}: llama-bench -r 1 ({FLAGS.threads} threads) in each of the "
+            print(f"llama.cpp ({variant} CPU variant) on {Path(path).name}: llama-bench -r 1 ({FLAGS.threads} threads) in each of the "
                   f"rounds, median [min-max] prefill {fmt_spread(ref['prefill_tok_s_runs'])}, decode "
                   f"{fmt_spread(ref['decode_tok_s_runs'], digits=2)} tok/s; process CPU s per llama-bench run "
                   f"(model load, warm-up, one {n_prompt}-token prefill, one {n_decode}-token decode): "

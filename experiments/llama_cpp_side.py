@@ -40,6 +40,39 @@ def find_tool(llama_bin: str | None, name: str) -> Path | None:
     return None
 
 
+def cpu_variant_bin(llama_bin: str | None, variant: str) -> str | None:
+    """A llama.cpp bin directory that loads only the CPU backend variant `variant` (e.g. "haswell", the
+    AVX2 one), for llama.cpp's figures beside its own pick ("auto": `llama_bin` as it is). A build with
+    dynamically loaded CPU variants holds one `libggml-cpu-<variant>.so` each and picks the best this CPU
+    runs; the mirror (made once, temporary) leaves the others out. None when `llama_bin` has no such
+    library."""
+    if not llama_bin or variant == "auto":
+        return llama_bin
+    tool = find_tool(llama_bin, BENCH_TOOL)
+    if tool is None or not (tool.parent / f"libggml-cpu-{variant}.so").exists():
+        return None
+    key = (tool.parent, variant)
+    if key not in _VARIANTS:
+        import os  # pylint: disable=import-outside-toplevel
+        import shutil  # pylint: disable=import-outside-toplevel
+        import tempfile  # pylint: disable=import-outside-toplevel
+        m = Path(tempfile.mkdtemp(prefix=f"llama-bin-{variant}-"))
+        for p in tool.parent.iterdir():
+            if p.name.startswith("libggml-cpu-") and p.name != f"libggml-cpu-{variant}.so":
+                continue
+            if p.is_symlink():
+                os.symlink(os.readlink(p), m / p.name)
+            elif ".so" in p.name:
+                os.symlink(p.resolve(), m / p.name)
+            else:
+                shutil.copy2(p, m / p.name)
+        _VARIANTS[key] = m
+    return str(_VARIANTS[key])
+
+
+_VARIANTS: dict[tuple[Path, str], Path] = {}
+
+
 def _link_stub(p: Path) -> str | None:
     """The target a flattened symlink names (a tiny text file holding a sibling's file name), else None."""
     if p.is_symlink() or not p.is_file() or p.stat().st_size > 255 or ".so" not in p.name:

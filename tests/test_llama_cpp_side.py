@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,22 @@ def test_find_tool_mirrors_flattened_library_links(tmp_path):
     link = got.parent / "libllama.so.0"
     assert link.is_symlink() and os.readlink(link) == "libllama.so.0.5.0"
     assert link.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_cpu_variant_bin_loads_one_variant_only(tmp_path):
+    """--llama_cpu_variants=haswell: a mirror of the bin directory without the other libggml-cpu-*.so, so
+    llama.cpp's loader can only pick the variant named (its AVX2 build beside its own pick)."""
+    tool = tmp_path / llama_cpp_side.BENCH_TOOL
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    for lib in ("libggml-cpu-haswell.so", "libggml-cpu-zen4.so", "libggml-base.so.0.25.3"):
+        (tmp_path / lib).write_bytes(b"\x7fELF" + bytes(300))
+    os.symlink("libggml-base.so.0.25.3", tmp_path / "libggml-base.so.0")
+    assert llama_cpp_side.cpu_variant_bin(str(tmp_path), "auto") == str(tmp_path)
+    assert llama_cpp_side.cpu_variant_bin(str(tmp_path), "skylakex") is None
+    d = Path(llama_cpp_side.cpu_variant_bin(str(tmp_path), "haswell"))
+    assert d != tmp_path and (d / llama_cpp_side.BENCH_TOOL).read_text() == "#!/bin/sh\n"
+    assert sorted(p.name for p in d.glob("libggml-cpu-*")) == ["libggml-cpu-haswell.so"]
+    assert os.readlink(d / "libggml-base.so.0") == "libggml-base.so.0.25.3"
+    assert (d / "libggml-base.so.0").read_bytes()[:4] == b"\x7fELF"
+    assert llama_cpp_side.cpu_variant_bin(str(tmp_path), "haswell") == str(d)  # made once

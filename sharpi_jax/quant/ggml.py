@@ -5,8 +5,9 @@ each activation row once with ggml's `from_float` for the weight type's `vec_dot
 K-quants, Q8_0 for Q4_0 / Q8_0 / ..., f16 for F16, f32 for F32) and computes every output element with
 the bits of ggml's `vec_dot` of that row with one weight row as stored in the file: the same arithmetic
 as ggml's mul_mat wherever ggml computes a product by vec_dot. For Q4_K / Q5_K / Q6_K products of several
-rows (`multirow_min_rows`), multi-row kernels (csrc/multirow.cc) unpack each weight chunk once for a group of up
-to 4 rows and repeat vec_dot's float operations in its order, so they give the same bits. Output row m depends only on x[m]
+rows (`multirow_min_rows`), multi-row kernels (csrc/multirow*.cc) unpack each weight chunk once for a group of up
+to 4 rows (AVX2) or 8 rows (AVX-512 with VNNI, picked at run time where the CPU has it) and repeat vec_dot's
+float operations in its order, so they give the same bits. Output row m depends only on x[m]
 (row-stable: a row has the same bits for any batch size).
 
 - `available()` / `unavailable_reason()`: whether the extension loaded (the reason names cause and fix).
@@ -15,6 +16,8 @@ to 4 rows and repeat vec_dot's float operations in its order, so they give the s
 - `expert_rows(x, ids, gate, up, down, qtypes, mode)`: unreduced routed-expert outputs [N, k, D].
 - `multirow(qtype)` / `set_multirow(on)`: whether that type's products of several rows run a multi-row kernel
   now; turning them off (same bits) is for timing the vec_dot path beside them.
+- `multirow_isa()` / `set_multirow_isa(name)`: the kernels' instruction set (avx512 or avx2), and picking
+  one (same bits) to time them side by side.
 - `host_matmul` / `host_expert_rows`: the same computations on numpy arrays (no JAX, e.g. straight from
   the read-only mmap of a GGUF), same bits as the FFI ops.
 """
@@ -129,6 +132,21 @@ def multirow_unavailable_reason() -> str | None:
         return "multi-row kernels off (SHARPI_GGML_MULTIROW=0): products of several rows run one vec_dot per element"
     return ("multi-row kernels need an x86 CPU with AVX2, FMA and F16C: products of several rows run one ggml "
             "vec_dot per element (same bits, slower verify and prefill)")
+
+
+def multirow_isa() -> str:
+    """The instruction set of the multi-row kernels now: "avx512" (AVX-512 F / BW / VL with VNNI), "avx2",
+    or "" (none on this CPU). Both give the same bits (ggml's vec_dot's)."""
+    return str(_ext().multirow_isa()) if available() else ""
+
+
+def set_multirow_isa(name: str) -> bool:
+    """Picks the multi-row kernels' instruction set: "avx512", "avx2" or "best" (the default: the best this
+    CPU runs; the environment variable SHARPI_GGML_ISA=avx2 starts a process on AVX2). False, and nothing
+    changed, when this CPU cannot run the set named. For measuring the sets side by side: same bits."""
+    if name not in ("avx512", "avx2", "best"):
+        raise ValueError(f"multi-row instruction set is avx512, avx2 or best, got {name!r}")
+    return bool(_ext().set_multirow_isa(name))
 
 
 def set_multirow(on: bool) -> None:

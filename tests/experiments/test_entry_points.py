@@ -77,6 +77,8 @@ COMMANDS = {
     "test_bench_decode": ("bench_decode", lambda t: [
         "--models=default", "--prompt_tokens=12", "--decode_tokens=4", "--repeats=2", "--max_context=64",
         "--widths=2,3", "--width_threads=1", f"--jsonl={t / 'decode.jsonl'}"]),
+    "test_bench_decode_isa_of_another_backend": ("bench_decode", lambda t: [
+        "--models=default", "--kernels=xla:avx2", "--repeats=1"]),
     "test_bench_expert_parallel": ("bench_expert_parallel", lambda t: [
         "--devices=1,2", "--repeats=2", "--prompt_tokens=8", "--decode_tokens=3", "--max_context=32",
         f"--json_out={t / 'ep.jsonl'}"]),
@@ -327,6 +329,14 @@ def _profiled(runs, request, heading: str, rows: int) -> dict:
     assert any(op.startswith(f"ggml matmul [{rows} x ") for op in ops), ops
     assert any(op.startswith(f"ggml experts [{rows} x ") for op in ops), ops
     return rec
+
+
+def test_bench_decode_isa_of_another_backend(runs, request):
+    """An instruction set names the ggml backend's kernels only: --kernels=xla:avx2 is one line, exit 2."""
+    _, res = result(runs, request)
+    assert res.returncode == 2 and res.stdout == ""
+    assert own_lines(res.stderr) == [
+        "error: --kernels=xla:avx2: an instruction set applies to the ggml backend only (ggml:avx2)"]
 
 
 def test_profile_step(runs, request):

@@ -1,11 +1,14 @@
-"""Multi-row kernels (csrc/multirow.cc): each weight chunk unpacked once for a group of rows, ggml's bits.
+"""Multi-row kernels (csrc/multirow*.cc): each weight chunk unpacked once for a group of rows, ggml's bits.
 
 References independent of the kernels: ggml's own graph (`ggml_mul_mat` on ggml's CPU backend through
 ctypes, experiments/ggml_graph.py) and ggml's vec_dot path of the same extension (`set_multirow(False)`,
 one ggml vec_dot per element). Blocks are real: fixture tensors and ggml's own quantizer at K = 2048 (the
 35B hidden size: several super-blocks per row) with a partial last tile of weight rows. Row counts cover
-both sides of the vec_dot / multi-row switch (`multirow_min_rows`: 2), every group size of the kernels (2 to 4 rows;
-M = 5, 6 and 17 run as groups of 2 + 3, 3 + 3 and 3 + 3 + 3 + 4 + 4) and many groups.
+both sides of the vec_dot / multi-row switch (`multirow_min_rows`: 2), every group size of the kernels and
+many groups: AVX2 groups of 2 to 4 rows (M = 5, 6 and 17 run as 2 + 3, 3 + 3 and 3 + 3 + 3 + 4 + 4),
+AVX-512 groups of 2 to 8 (M = 17 and 37 run as 5 + 6 + 6 and 7 + 7 + 7 + 8 + 8). Every test runs once per
+instruction set this CPU runs (the `isa` fixture); the AVX-512 set is skipped, with the reason, on a CPU
+without AVX-512 F / BW / VL / VNNI.
 """
 
 from __future__ import annotations
@@ -23,6 +26,34 @@ TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 FAST_MS = (1, 2, 3, 4, 5, 6, 8, 16, 17, 37, 64)
 
 
+def _cpu_runs_avx512() -> bool:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """A test once per instruction set of the kernels (the best set is restored after)."""
+    if request.param == "avx512" and not _cpu_runs_avx512():
+        pytest.skip("this CPU has no AVX-512 F / BW / VL / VNNI: the AVX-512 kernels cannot run here")
+    assert ggml.set_multirow_isa(request.param)
+    assert ggml.multirow_isa() == request.param
+    yield request.param
+    ggml.set_multirow_isa("best")
+
+
+def test_best_isa_is_the_cpus():
+    """By default the kernels are the best set this CPU runs (read from /proc/cpuinfo, not the extension)."""
+    ggml.set_multirow_isa("best")
+    assert ggml.multirow_isa() == ("avx512" if _cpu_runs_avx512() else "avx2")
+
+
+@pytest.mark.usefixtures("isa")
 @pytest.fixture
 def vec_dot_path():
     """Runs the body's calls with the multi-row kernels off, then turns them back on."""
@@ -31,8 +62,10 @@ def vec_dot_path():
     ggml.set_multirow(True)
 
 
+@pytest.mark.usefixtures("isa")
 def test_multirow_serves_the_k_quants():
-    """On these machines (x86 with AVX2) the K-quants of Q4_K_M / Q5_K_M / Q6_K files run multi-row."""
+    """On these machines (x86 with AVX2, some with AVX-512) the K-quants of Q4_K_M / Q5_K_M / Q6_K files run
+    multi-row with either instruction set."""
     assert all(ggml.multirow(t) for t in TYPES)
     assert not ggml.multirow(Q.Q8_0) and not ggml.multirow(Q.F32)
     assert all(1 < ggml.multirow_min_rows(t) < max(FAST_MS) for t in TYPES)  # the fast widths cross it
@@ -54,17 +87,20 @@ def _check(qt, ms):
             assert_bitwise_equal(y, np.asarray(f(x_all, raw))[:m])  # row-stable across the switch
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_matmul_is_ggml_bitwise_at_every_width(qt):
     _check(qt, FAST_MS)
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.slow
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_matmul_is_ggml_bitwise_every_m(qt):
     _check(qt, tuple(range(1, 65)))
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_multirow_equals_vec_dot_path(qt, request):
     raw = _weights(qt)[1]
@@ -74,6 +110,7 @@ def test_multirow_equals_vec_dot_path(qt, request):
     assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=1), on)
 
 
+@pytest.mark.usefixtures("isa")
 def test_grouped_experts_multirow_equals_vec_dot_path(request):
     """Experts shared by many tokens (groups of 2+ rows run multi-row) against the vec_dot path."""
     qtypes = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
