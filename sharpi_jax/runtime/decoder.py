@@ -27,14 +27,14 @@ from sharpi_jax.runtime.generate import timing_stats
 from sharpi_jax.runtime.mtp import Draft, MTPRuntime
 from sharpi_jax.runtime.options import VERIFY_MODES
 from sharpi_jax.runtime.passes import PassResult, emit_passes, pass_counts, pass_stats
-from sharpi_jax.runtime.sampling import SamplingParams, sample
+from sharpi_jax.runtime.sampling import SamplingParams, argmax, sample
 from sharpi_jax.runtime.steps import Runtime
 
 
 @jax.jit
 def argmax_rows(logits):
     """The greedy token of each row (of a [V] row: the token)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
 
 
 @functools.partial(jax.jit, static_argnums=1)

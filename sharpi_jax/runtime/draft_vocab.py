@@ -30,6 +30,7 @@ import numpy as np
 from sharpi_jax.errors import InputError
 from sharpi_jax.paths import calibration_paths, save_json
 from sharpi_jax.quant import QTensor, matmul
+from sharpi_jax.runtime.sampling import argmax
 
 SUFFIX = ".draft-vocab.json"
 FORMAT = "sharpi-draft-vocab/1"
@@ -123,7 +124,7 @@ class DraftVocab:
 
     def token(self, logits: jax.Array) -> jax.Array:
         """The token id of the subset's argmax (the lowest id on ties, as the full head's argmax)."""
-        return self.ids[jnp.argmax(logits)].astype(jnp.int32)
+        return self.ids[argmax(logits)].astype(jnp.int32)
 
     def greedy(self, h2: jax.Array) -> jax.Array:
         """The draft token of row 0 of a 2-row bucket h2 [2, D]: argmax over the subset's logits."""

@@ -24,6 +24,7 @@ from sharpi_jax.model.mtp import MTPHead
 from sharpi_jax.runtime import draft_vocab
 from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, split
 from sharpi_jax.runtime.draft_vocab import DraftVocab
+from sharpi_jax.runtime.sampling import argmax
 from sharpi_jax.runtime.state import MTPCache, init_mtp_cache
 from sharpi_jax.runtime.steps import Runtime
 
@@ -81,7 +82,7 @@ def _mtp_fns(graph: Graph) -> dict:
             the head (its softmax, over the vocabulary it drafts from) is below p_min; that draft is dropped."""
             h2 = jnp.stack([h, h])
             logits = vocab.logits(h2, live) if vocab is not None else mtp.logits(h2, live)[0]
-            tok = vocab.token(logits) if vocab is not None else jnp.argmax(logits).astype(jnp.int32)
+            tok = vocab.token(logits) if vocab is not None else argmax(logits)
             if p_min is None:
                 return tok, jnp.bool_(True)
             p_top = 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits)))

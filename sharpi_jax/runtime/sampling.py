@@ -82,8 +82,14 @@ def draw(logits, seed, index, temperature, top_k, top_p, min_p):
 
 
 def argmax(logits):
-    """The greedy token(s): argmax over the last axis (lowest index on ties), int32; traceable."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """The greedy token(s): argmax over the last axis (lowest index on ties, the first NaN if any), int32;
+    traceable. jnp.argmax's result, computed as a max and then the lowest index holding it: two plain
+    reductions that XLA:CPU vectorizes, where its (value, index) pair reduction takes ~1.2 ms for one
+    248k-token row here (0.3 ms this way)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    at = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)  # a NaN anywhere makes `top` NaN: its first index, as argmax
+    return jnp.min(jnp.where(hit, at, logits.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 _sample = jax.jit(draw)

@@ -33,6 +33,7 @@ from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.model.tree import TreeRows, tree_arrays
 from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, split
+from sharpi_jax.runtime.sampling import argmax
 from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
                                       select_snapshot)
 
@@ -176,7 +177,7 @@ def _step_fns(graph: Graph) -> dict:
 
 def _pass(logits, hidden, state, snaps) -> Pass:
     """A trunk pass's outputs; without the LM head (logits None) no greedy rows either."""
-    greedy = None if logits is None else jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = None if logits is None else argmax(logits)
     return Pass(logits, greedy, hidden, state, snaps)
 
 

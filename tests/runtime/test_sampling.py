@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sharpi_jax.errors import InputError
-from sharpi_jax.runtime.sampling import SamplingParams, filter_logits, sample
+from sharpi_jax.runtime.sampling import SamplingParams, argmax, filter_logits, sample
 
 LOGITS = jnp.log(jnp.asarray([0.05, 0.4, 0.1, 0.3, 0.15], jnp.float32))
 
@@ -47,3 +47,24 @@ def test_greedy_and_seeded():
 def test_bad_options(kw):
     with pytest.raises(InputError):
         SamplingParams(**kw)
+
+
+def test_argmax_is_numpys_on_ties_nans_and_infinities():
+    """The greedy token (a max, then the lowest index holding it) is numpy's argmax: the lowest index on
+    ties (-0.0 ties +0.0), the first NaN where there is one, index 0 of an all -inf row; on a real-sized
+    row and batched rows (any leading shape) too."""
+    rows = np.zeros((7, 11), np.float32)
+    rows[0, [2, 7]] = 1.0  # a tie
+    rows[1, [3, 5]] = np.nan  # NaNs beat every value: the first
+    rows[1, 0] = np.inf
+    rows[2, :] = -np.inf
+    rows[3, 4], rows[3, 6] = -0.0, 0.0
+    rows[3, :4] = rows[3, 5] = rows[3, 7:] = -1.0
+    rows[4, 10] = np.inf
+    rows[5] = np.random.default_rng(0).standard_normal(11)
+    rows[6, 9] = np.finfo(np.float32).max
+    assert np.array_equal(np.asarray(argmax(rows)), np.argmax(rows, axis=-1))
+    big = np.random.default_rng(1).standard_normal((2, 3, 248320)).astype(np.float32)
+    big[0, 1, [17, 200000]] = 9.0
+    assert np.array_equal(np.asarray(argmax(big)), np.argmax(big, axis=-1))
+    assert np.asarray(argmax(big[1, 2])).shape == () and int(argmax(big[1, 2])) == int(np.argmax(big[1, 2]))
