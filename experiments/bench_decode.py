@@ -113,7 +113,7 @@ def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str |
     key = (str(path), repack, backend)
     if key in _ENGINES:  # the same engine under another instruction set
         engine, ids, info = _ENGINES[key]
-        return engine, ids, {**info, "kernels": kernels, "isa": isa_name()}
+        return engine, ids, {**info, "kernels": kernels, "isa": isa_name() if backend == "ggml" else None}
     t = time.perf_counter()
     engine = sj.load(path, max_context=FLAGS.max_context, kernels=backend, repack=repack)
     load_s = time.perf_counter() - t
@@ -126,7 +126,7 @@ def load_ours(path: Path, n_prompt: int, fixture_dir: Path | None, repack: str |
     engine.generate(ids, max_new_tokens=max(3, n_decode), stop_on_eos=False)  # compiles prefill and decode
     info = {"load_s": load_s, "warmup_s": time.perf_counter() - t,
             "kernels": engine.matrix_format.backend + (f":{isa}" if isa else ""),
-            "isa": isa_name(), "rss_anon_gib": rss_anon_gib(), **footprint}
+            "isa": isa_name() if backend == "ggml" else None, "rss_anon_gib": rss_anon_gib(), **footprint}
     _ENGINES[key] = (engine, ids, info)
     return engine, ids, info
 
@@ -237,7 +237,8 @@ def llama_variants() -> dict[str, str]:
     for v in FLAGS.llama_cpu_variants:
         d = llama_cpp_side.cpu_variant_bin(FLAGS.llama_bin, v)
         if d is None:
-            logging.warning("llama.cpp at %s has no CPU variant %r (no libggml-cpu-%s.so): left out", FLAGS.llama_bin, v, v)
+            logging.warning("llama.cpp at %s has no CPU variant %r (no libggml-cpu-%s.so): left out",
+                            FLAGS.llama_bin, v, v)
         else:
             out[v] = d
     return out
@@ -473,7 +474,8 @@ def main(argv) -> int:
           f"{FLAGS.repeats} warm interleaved rounds, ratios of medians; {os.cpu_count()} CPU cores)")
     for (path, n_prompt, n_decode, variant), ref in llama.items():
         if ref and ref.get("interleaved"):
-            print(f"llama.cpp ({variant} CPU variant) on {Path(path).name}: llama-bench -r 1 ({FLAGS.threads} threads) in each of the "
+            print(f"llama.cpp ({variant} CPU variant) on {Path(path).name}: llama-bench -r 1 ({FLAGS.threads} threads) "
+                  f"in each of the "
                   f"rounds, median [min-max] prefill {fmt_spread(ref['prefill_tok_s_runs'])}, decode "
                   f"{fmt_spread(ref['decode_tok_s_runs'], digits=2)} tok/s; process CPU s per llama-bench run "
                   f"(model load, warm-up, one {n_prompt}-token prefill, one {n_decode}-token decode): "

@@ -44,11 +44,16 @@ def route(router_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 @jax.custom_batching.custom_vmap
 def padding_route(sel: jax.Array, valid: jax.Array) -> jax.Array:
-    """sel [N, k] with the padding rows (valid False) routed like the first row (valid rows come first),
-    so padding reads no expert that a valid row does not. Under jax.vmap (a batch of sequences,
+    """sel [N, k] with the padding rows (valid False) routed like the first valid row (row 0: valid rows
+    come first), so padding reads no expert that a valid row does not. Under jax.vmap (a batch of sequences,
     `runtime.batch`) like the first valid row of the whole batch, so a finished sequence's rows read
     none either."""
-    return jnp.where(valid[:, None], sel, sel[:1])
+    # The first valid row at a computed index (row 0, as valid rows come first; 0 too when none is): a constant slice
+    # sel[:1] would merge into top_k's own slices, and XLA:CPU would then run top_k as a full stable sort of
+    # every row's experts (3-4 ms per layer in a 128-token prefill) instead of its TopK call (a partial
+    # sort, ties to the lower index, the same selection for these finite, non-negative probabilities).
+    first = jax.lax.dynamic_slice_in_dim(sel, jnp.argmax(valid), 1, axis=0)
+    return jnp.where(valid[:, None], sel, first)
 
 
 @padding_route.def_vmap
@@ -62,11 +67,7 @@ def _padding_route_batched(axis_size, in_batched, sel, valid):
 
 def top_k_weights(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k most probable experts of each row and their weights renormalised with ggml's clamp."""
-    # The barrier keeps later slices of `sel` (e.g. padding_route's sel[:1]) from merging into top_k's own
-    # slices: XLA:CPU then keeps its TopK call (a partial sort, ties to the lower index) instead of a full
-    # stable sort of every row, 3-4 ms per layer in a 128-token prefill. Same results: the probabilities are
-    # non-negative and finite, where both orders agree.
-    w, sel = jax.lax.optimization_barrier(jax.lax.top_k(probs, k))
+    w, sel = jax.lax.top_k(probs, k)
     w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), jnp.float32(WEIGHT_SUM_CLAMP))
     return sel.astype(jnp.int32), w
 
