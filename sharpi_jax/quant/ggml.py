@@ -145,8 +145,8 @@ def set_multirow_isa(name: str) -> bool:
     CPU runs; the environment variable SHARPI_GGML_ISA=avx2 starts a process on AVX2). False, and nothing
     changed, when this CPU cannot run the set named. For measuring the sets side by side: same bits."""
     if name not in ("avx512", "avx2", "best"):
-        raise ValueError(f"multi-row instruction set is avx512, avx2 or best, got {name!r}")
-    return bool(_ext().set_multirow_isa(name))
+        raise InputError(f"multi-row instruction set is avx512, avx2 or best, got {name!r}")
+    return available() and bool(_ext().set_multirow_isa(name))
 
 
 def set_multirow(on: bool) -> None:
