@@ -53,10 +53,10 @@ def test_best_isa_is_the_cpus():
     assert ggml.multirow_isa() == ("avx512" if _cpu_runs_avx512() else "avx2")
 
 
-@pytest.mark.usefixtures("isa")
 @pytest.fixture
-def vec_dot_path():
-    """Runs the body's calls with the multi-row kernels off, then turns them back on."""
+def vec_dot_path(isa):
+    """Runs the body's calls with the multi-row kernels off, then turns them back on (under the test's
+    instruction set, so both paths of a comparison run on one set)."""
     ggml.set_multirow(False)
     yield
     ggml.set_multirow(True)
