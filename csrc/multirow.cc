@@ -137,27 +137,18 @@ SHARPI_AVX2 void q6_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0,
   }
 }
 
-template <int R>
-struct Q4Group {
-  static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
-                  float* const* out) {
-    k4_group<false, R>(k, w, w_row, n0, n1, q, out);
-  }
-};
-template <int R>
-struct Q5Group {
-  static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
-                  float* const* out) {
-    k4_group<true, R>(k, w, w_row, n0, n1, q, out);
-  }
-};
-template <int R>
-struct Q6Group {
-  static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
-                  float* const* out) {
-    q6_group<R>(k, w, w_row, n0, n1, q, out);
-  }
-};
+// A product's rows through the kernels, in groups of at most kGroup.
+template <bool kQ5>
+void k4_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
+  group_rows<kGroup>(rs, [&](auto rows, const uint8_t* const* q, float* const* out) {
+    k4_group<kQ5, decltype(rows)::value>(k, w, w_row, n0, n1, q, out);
+  });
+}
+void q6_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
+  group_rows<kGroup>(rs, [&](auto rows, const uint8_t* const* q, float* const* out) {
+    q6_group<decltype(rows)::value>(k, w, w_row, n0, n1, q, out);
+  });
+}
 
 bool cpu_has_avx2() {
   __builtin_cpu_init();
@@ -184,9 +175,9 @@ std::atomic<Isa> g_isa{env_isa()};
 
 MultiRowFn avx2_kernel(int qtype) {
   switch (qtype) {
-    case GGML_TYPE_Q4_K: return group_rows<Q4Group, kGroup>;
-    case GGML_TYPE_Q5_K: return group_rows<Q5Group, kGroup>;
-    case GGML_TYPE_Q6_K: return group_rows<Q6Group, kGroup>;
+    case GGML_TYPE_Q4_K: return k4_rows<false>;
+    case GGML_TYPE_Q5_K: return k4_rows<true>;
+    case GGML_TYPE_Q6_K: return q6_rows;
     default: return nullptr;
   }
 }

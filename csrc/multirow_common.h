@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "multirow.h"
 
@@ -121,25 +122,25 @@ SHARPI_INLINE void q6_block(RowAcc& a, __m256i sumi, const uint8_t* y, float xd,
 // ---- Any number of rows ----------------------------------------------------------------------------
 
 // Every row of `rs` in balanced groups of at most kMax rows (kMax 4: 5 -> 2 + 3, 9 -> 3 + 3 + 3): a group of
-// 1 would forgo the shared unpacking. F<R>::run computes one group of R rows, R in 1..kMax.
-template <template <int> class F, int kMax, int R = kMax>
-inline void run_group(int64_t size, int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                      const uint8_t* const* q, float* const* out) {
+// 1 would forgo the shared unpacking. fn(std::integral_constant<int, R>{}, q, out) computes one group of R
+// rows (R in 1..kMax: the kernel's row count is a template argument, so its sums stay in registers).
+template <int kMax, class Fn, int R = kMax>
+inline void run_group(int64_t size, const Fn& fn, const uint8_t* const* q, float* const* out) {
   if constexpr (R == 1) {
-    F<1>::run(k, w, w_row, n0, n1, q, out);
+    fn(std::integral_constant<int, 1>{}, q, out);
   } else {
-    if (size == R) F<R>::run(k, w, w_row, n0, n1, q, out);
-    else run_group<F, kMax, R - 1>(size, k, w, w_row, n0, n1, q, out);
+    if (size == R) fn(std::integral_constant<int, R>{}, q, out);
+    else run_group<kMax, Fn, R - 1>(size, fn, q, out);
   }
 }
 
-template <template <int> class F, int kMax>
-void group_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
+template <int kMax, class Fn>
+void group_rows(const RowSet& rs, const Fn& fn) {
   const int64_t groups = (rs.m + kMax - 1) / kMax;
   int64_t r = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t size = (rs.m - r) / (groups - g);
-    run_group<F, kMax>(size, k, w, w_row, n0, n1, rs.q + r, rs.out + r);
+    run_group<kMax>(size, fn, rs.q + r, rs.out + r);
     r += size;
   }
 }

@@ -166,8 +166,8 @@ def isa_name() -> str | None:
     return (ggml.multirow_isa() or None) if ggml.available() else None
 
 
-def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, str]], repeats: int
-               ) -> tuple[list[dict], dict[tuple, dict]]:
+def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, str]], repeats: int,
+               variants: dict[str, str]) -> tuple[list[dict], dict[tuple, dict]]:
     """Every model loaded and warmed up, then `repeats` interleaved rounds (each model once per round):
     one record per model with prefill / decode tok/s and the process CPU seconds of a call as median,
     _min, _max, _runs (experiments.timing), and RssAnon after its load + warm-up with its growth over
@@ -188,13 +188,13 @@ def bench_ours(models: list[tuple[str, Path, Path | None, int, int, str | None, 
     side = []
     if llama_cpp_side.find_tool(FLAGS.llama_bin, llama_cpp_side.BENCH_TOOL) is not None:
         side = list(dict.fromkeys((str(m[1]), len(c[1]), c[2], v) for m, c in zip(models, loaded)
-                                  for v in llama_variants()))
+                                  for v in variants))
 
     def run(cell):
         if isinstance(cell[0], str):  # llama-bench, one repetition
             path, n_prompt, n_decode, variant = cell
             return llama_cpp_side.prefill_decode(Path(path), [0] * n_prompt, n_decode, threads=FLAGS.threads,
-                                                 llama_bin=llama_variants()[variant], repetitions=1)
+                                                 llama_bin=variants[variant], repetitions=1)
         engine, ids, n_decode, info = cell
         use_isa(_split_kernels(info["kernels"])[1])
         c0 = time.process_time()
@@ -244,7 +244,7 @@ def llama_variants() -> dict[str, str]:
     return out
 
 
-def bench_widths(models, engines, rows) -> list[dict]:
+def bench_widths(models, engines, rows, variants: dict[str, str]) -> list[dict]:
     """Per thread count: --repeats rounds, each timing every configuration's w-row passes (median of 3 calls
     per w, experiments.pass_timing; with --vec_dot_beside also with the multi-row kernels off) and then
     llama-bench -p w -n 0 -r 3 once per file and --llama_cpu_variants entry; records per configuration and
@@ -254,7 +254,6 @@ def bench_widths(models, engines, rows) -> list[dict]:
 
     widths = sorted({1, *(int(w) for w in FLAGS.widths)})
     cores = sorted(os.sched_getaffinity(0))
-    variants = llama_variants()
     files = list(dict.fromkeys(str(m[1]) for m in models))
     out = []
     for t in (int(x) for x in FLAGS.width_threads):
@@ -409,8 +408,9 @@ def main(argv) -> int:
     models = _models()
     if not models:
         return fail("no model to bench (no fixtures found, --nosynthetic, or --only matched nothing)")
-    ours_rows, llama, engines = bench_ours(models, FLAGS.repeats)
-    width_recs = bench_widths(models, engines, ours_rows) if FLAGS.widths else []
+    variants = llama_variants()  # once: each entry mirrors the bin directory (and warns if it is missing)
+    ours_rows, llama, engines = bench_ours(models, FLAGS.repeats, variants)
+    width_recs = bench_widths(models, engines, ours_rows, variants) if FLAGS.widths else []
     from experiments.bandwidth import copy_bandwidth
 
     bw = copy_bandwidth()
@@ -418,12 +418,12 @@ def main(argv) -> int:
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(header)
     print("-" * len(header))
+    names = list(variants) or ["auto"]  # the first is the one the table's ratios use
     for (name, path, _, _, n_decode, _, _), ours in zip(models, ours_rows):
         ids = ours.pop("ids")
-        variants = list(llama_variants()) or ["auto"]
-        key = (str(path), len(ids), n_decode, variants[0])
+        key = (str(path), len(ids), n_decode, names[0])
         if key not in llama:  # once per file, whatever our layouts
-            llama[key] = bench_llama_cpp(path, ids, n_decode, llama_variants().get(variants[0], FLAGS.llama_bin))
+            llama[key] = bench_llama_cpp(path, ids, n_decode, variants.get(names[0], FLAGS.llama_bin))
         ref = llama[key]
         lc = ""
         if ref and "error" not in ref:
@@ -439,14 +439,14 @@ def main(argv) -> int:
         print(f"{name:34s} {ours['kernels']:>7s} {fmt_spread(ours['prefill_tok_s_runs'], 26, digits('prefill_tok_s'))} "
               f"{fmt_spread(ours['decode_tok_s_runs'], 24, digits('decode_tok_s'))} {ours['cpu_s_per_call']:10.2f} "
               f"{ours['held_gib']:8.2f} {mem:>18s} {rss:>15s}   {lc}", flush=True)
-        others = {v: llama.get(key[:3] + (v,)) for v in variants[1:]}
+        others = {v: llama.get(key[:3] + (v,)) for v in names[1:]}
         for v, other in others.items():
             if other and "error" not in other:
                 print(f"{'':34s} {'':>7s} {'':>26s} {'':>24s} {'':>10s} {'':>8s} {'':>18s} {'':>15s}   "
                       f"{other['prefill_tok_s']:17.1f} {other['decode_tok_s']:8.2f}   "
                       f"{ours['prefill_tok_s'] / other['prefill_tok_s']:22.2f} "
                       f"{ours['decode_tok_s'] / other['decode_tok_s']:7.2f}   (llama.cpp CPU variant {v})")
-        row = {"model": name, "path": str(path), **ours, "llama_cpp": ref, "llama_cpp_variant": variants[0],
+        row = {"model": name, "path": str(path), **ours, "llama_cpp": ref, "llama_cpp_variant": names[0],
                "llama_cpp_other_variants": others, "copy_gb_s": bw["median"],
                "load_avg": os.getloadavg()[0], "file_gib": path.stat().st_size / 2**30}
         rows.append(row)
