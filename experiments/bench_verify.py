@@ -246,6 +246,8 @@ def main(argv) -> int:
         records.append({"model": path.stem, "llama_cpp": lc})
     else:
         print("llama.cpp: not available (install llama-cpp-python, or pass --llama_bin=DIR for MTP)")
+    best = _best(records, off_dev, lc_off, lc_mtp)
+    records.append({"model": path.stem, "best": best})
     _write(records, n)
     return 0 if all(r.get("same_tokens_as_off", True) for r in records) else 1
 
@@ -330,6 +332,41 @@ def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]
         recs.append(put_spread({"model": path.stem, "draft_step": True, "draft_vocab": v, "vs_full": ratio},
                                "draft_step_ms", t))
     return recs
+
+
+def _setting(rec: dict) -> str:
+    """A run's speculative setting in words (chain or tree, and any lever that differs from the defaults)."""
+    if rec["speculative"] == "mtp_tree":
+        name = f"tree k={rec['draft_tokens']} nodes={rec['tree_nodes']}"
+    else:
+        name = f"chain k={rec['draft_tokens']}"
+    for key, label in (("draft_vocab", "draft_vocab"), ("draft_p_min", "p_min"), ("verify_head", "head")):
+        if rec.get(key) is not None:
+            name += f" {label}={rec[key]}"
+    return name
+
+
+def _best(records: list[dict], off: float, lc_off: dict | None, lc_mtp: dict) -> dict:
+    """Prints and returns the fastest device-loop speculative run that kept MTP off's tokens in every round
+    (its tok/s over device-loop MTP off), beside llama.cpp's best draft-mtp speedup over its own decode."""
+    runs = [r for r in records if r.get("loop") == "device" and r.get("speculative") and r.get("same_tokens_as_off")]
+    best: dict = {"setting": None, "decode_tok_s": None, "speedup": None, "llama_cpp_k": None,
+                  "llama_cpp_speedup": None}
+    if runs:
+        top = max(runs, key=lambda r: r["decode_tok_s"])
+        best.update(setting=_setting(top), decode_tok_s=top["decode_tok_s"], speedup=top["decode_tok_s"] / off,
+                    tokens_per_pass=top.get("mean_accept_len"))
+    lc_base = lc_off.get("decode_tok_s") if lc_off and "error" not in lc_off else None
+    lc_ok = {k: v for k, v in lc_mtp.items() if v and "error" not in v}
+    if lc_base and lc_ok:
+        k = max(lc_ok, key=lambda k: lc_ok[k]["decode_tok_s"])
+        best.update(llama_cpp_k=k, llama_cpp_speedup=lc_ok[k]["decode_tok_s"] / lc_base)
+    ours = (f"{best['setting']}, {best['decode_tok_s']:.1f} tok/s = {best['speedup']:.2f}x MTP off (device loop)"
+            if runs else "none kept MTP off's tokens")
+    theirs = (f"draft-mtp k={best['llama_cpp_k']}, {best['llama_cpp_speedup']:.2f}x its own decode"
+              if best["llama_cpp_k"] is not None else "n/a")
+    print(f"\nbest lossless setting: {ours}; llama.cpp's best: {theirs}")
+    return best
 
 
 def _picked(stats, keys) -> dict:

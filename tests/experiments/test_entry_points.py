@@ -399,8 +399,15 @@ def test_bench_verify(runs, request):
     tmp, res = result(runs, request)
     assert "round 2/2" in ok(res).stdout and "MTP off:" in res.stdout
     recs = jsonl(tmp / "verify.jsonl")
+    best = recs.pop()["best"]  # the last record: the fastest lossless device-loop setting
     passes, recs = recs[:2], recs[2:]
     assert [r["rows"] for r in passes] == [1, 2] and "one trunk pass of w rows" in res.stdout
+    spec = [r for r in recs if r.get("loop") == "device" and r.get("speculative")]
+    top = max(spec, key=lambda r: r["decode_tok_s"])
+    off = next(r for r in recs if r.get("loop") == "device" and not r.get("speculative"))
+    assert best["decode_tok_s"] == top["decode_tok_s"] and best["speedup"] == top["decode_tok_s"] / off["decode_tok_s"]
+    assert best["setting"].startswith("chain k=1" if top["speculative"] == "mtp" else "tree k=1 nodes=2")
+    assert f"best lossless setting: {best['setting']}, " in res.stdout
     for r in passes:
         for key in ("decode_ms", "chain_ms", "tree_ms"):
             _check_spread(r, key, rounds=2)
