@@ -47,6 +47,7 @@ SHARPI_AVX2 void k4_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0,
   const int64_t nb = k / kQK;
   const size_t bsz = kQ5 ? kQ5K : kQ4K;
   const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+  const BsumPairs* pairs = bsum_pairs<R>(nb, q);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * w_row;
     RowAcc a[R];
@@ -78,9 +79,10 @@ SHARPI_AVX2 void k4_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0,
         }
       }
       const __m128i mins = _mm256_extracti128_si256(sm, 1);
-      const float xd = f16(blk), xdmin = f16(blk + 2);
+      const K4Scales fs = k4_scales(blk);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) k4_block<kQ5>(a[r], sumi[r], q[r] + i * kQ8K, xd, xdmin, mins);
+      for (int r = 0; r < R; ++r) k4_block<kQ5>(a[r], sumi[r], q[r] + i * kQ8K,
+                                                 fs, mins, pairs[i * R + r]);
     }
     for (int r = 0; r < R; ++r) out[r][n] = k4_result<kQ5>(a[r]);
   }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "multirow.h"
 
@@ -76,25 +77,60 @@ struct RowAcc {
 
 SHARPI_INLINE RowAcc row_acc_zero() { return RowAcc{_mm256_setzero_ps(), _mm_setzero_ps(), 0.0f}; }
 
+// A Q4_K / Q5_K weight block's f16 scales as the float factors every activation row multiplies: d and
+// -dmin broadcast, so a row's d = yd * xd and dmin = -yd * xdmin (ggml's products, exact in any lane) are one
+// vector multiply each instead of a scalar multiply and a broadcast.
+struct K4Scales {
+  __m256 xd;
+  __m128 nxdmin;  // -xdmin: (-yd) * xdmin == yd * (-xdmin), both exact negations of one rounded product
+  float xdmin;
+};
+
+SHARPI_INLINE K4Scales k4_scales(const uint8_t* blk) {
+  const float xd = f16(blk), xdmin = f16(blk + 2);
+  return K4Scales{_mm256_set1_ps(xd), _mm_set1_ps(-xdmin), xdmin};
+}
+
+// Each activation row's 16 bsums of every block summed in pairs, as ggml's hadd does (int16: one sum per
+// 32-value sub-block), block-major ([i * R + r]: two rows of one block side by side). They depend on the
+// activation only, so a kernel computes them once per call (a tile of weight rows) instead of once per weight
+// row and block. The buffer is the calling thread's, reused by its next call.
+struct alignas(16) BsumPairs {
+  int16_t v[8];
+};
+
+template <int R>
+SHARPI_INLINE const BsumPairs* bsum_pairs(int64_t nb, const uint8_t* const* q) {
+  thread_local std::vector<BsumPairs> buf;
+  buf.resize(static_cast<size_t>(R * nb));
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < nb; ++i) {
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + i * kQ8K + 260));
+      _mm_store_si128(reinterpret_cast<__m128i*>(buf[i * R + r].v),
+                      _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
+    }
+  return buf.data();
+}
+
 // Q4_K / Q5_K: adds super-block i's product to `a`, given the block's exact integer sums in ggml's 8 lanes
-// (`sumi`), its f16 scales and its 8 mins (int16, lanes 0-7 of `mins`); `y` is the activation's Q8_K block.
+// (`sumi`), its scales (`s`), its 8 mins (int16, lanes 0-7 of `mins`) and the activation block's bsum pairs;
+// `y` is the activation's Q8_K block.
 template <bool kQ5>
-SHARPI_INLINE void k4_block(RowAcc& a, __m256i sumi, const uint8_t* y, float xd, float xdmin, __m128i mins) {
+SHARPI_INLINE void k4_block(RowAcc& a, __m256i sumi, const uint8_t* y, const K4Scales& s, __m128i mins,
+                            const BsumPairs& pairs) {
   const float yd = q8k_d(y);
-  const float d = yd * xd;
-  const float dmin = -yd * xdmin;
   // The mins term's 4 int32 lanes: lane i = mn[2i] * s[2i] + mn[2i+1] * s[2i+1], s[j] the sum of activation
-  // sub-block j (its two bsums, added in int16 as ggml's hadd does).
-  const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 260));
-  const __m128i prod = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
+  // sub-block j.
+  const __m128i prod = _mm_madd_epi16(mins, _mm_load_si128(reinterpret_cast<const __m128i*>(pairs.v)));
   if (kQ5) {
     // ggml's `summs += dmin * int`: its build contracts this into one fused multiply-add.
+    const float dmin = -yd * s.xdmin;
     __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, _mm_setzero_si128()), _mm_setzero_si128());
     a.summs = std::fma(dmin, static_cast<float>(_mm_extract_epi32(hs, 0)), a.summs);
   } else {
-    a.accm = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), a.accm);
+    a.accm = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(yd), s.nxdmin), _mm_cvtepi32_ps(prod), a.accm);
   }
-  a.acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), a.acc);
+  a.acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(yd), s.xd), _mm256_cvtepi32_ps(sumi), a.acc);
 }
 
 template <bool kQ5>
