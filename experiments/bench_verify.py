@@ -350,8 +350,8 @@ def _best(records: list[dict], off: float, lc_off: dict | None, lc_mtp: dict) ->
     """Prints and returns the fastest device-loop speculative run that kept MTP off's tokens in every round
     (its tok/s over device-loop MTP off), beside llama.cpp's best draft-mtp speedup over its own decode."""
     runs = [r for r in records if r.get("loop") == "device" and r.get("speculative") and r.get("same_tokens_as_off")]
-    best: dict = {"setting": None, "decode_tok_s": None, "speedup": None, "llama_cpp_k": None,
-                  "llama_cpp_speedup": None}
+    best: dict = {"setting": None, "decode_tok_s": None, "speedup": None, "tokens_per_pass": None,
+                  "llama_cpp_k": None, "llama_cpp_speedup": None}
     if runs:
         top = max(runs, key=lambda r: r["decode_tok_s"])
         best.update(setting=_setting(top), decode_tok_s=top["decode_tok_s"], speedup=top["decode_tok_s"] / off,
