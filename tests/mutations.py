@@ -142,44 +142,37 @@ MUTATIONS: tuple[Mutation, ...] = (
         "verify_pass_fresh_snapshot_buffers",
         "a verify pass writes its GDN snapshots into the previous pass's buffers (no per-pass allocation)",
         "sharpi_jax/runtime/steps.py",
-        (("        logits, hidden, state, snaps = model.rows(commit(state, snaps, index), tokens, pos, n_valid, into=snaps,\n",
-          "        logits, hidden, state, snaps = model.rows(commit(state, snaps, index), tokens, pos, n_valid,  # MUTATION\n"),),
+        (("        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), static_argnames=(\"head\",))),\n",
+          "        commit_verify=(commit_verify, dict(donate_argnums=(1, 2), static_argnames=(\"head\",))),  # MUTATION\n"),),
         ("tests/runtime/test_steps.py", "-k", "test_verify_pass_copies_no_gdn_state"),
     ),
     Mutation(
         "tree_pass_fresh_snapshot_buffers",
         "a verify pass writes its GDN snapshots into the previous pass's buffers (no per-pass allocation)",
         "sharpi_jax/runtime/steps.py",
-        (("        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, into=snaps, head=head)\n",
-          "        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, head=head)  # MUTATION\n"),),
+        (("        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3), static_argnames=(\"head\",))),\n",
+          "        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2), static_argnames=(\"head\",))),  # MUTATION\n"),),
         ("tests/runtime/test_steps.py", "-k", "test_verify_pass_copies_no_gdn_state"),
     ),
     Mutation(
-        "commit_state_fresh_buffers",
-        "a verify pass writes the committed GDN state into the state's own buffers",
+        "commit_verify_copies_the_snapshot",
+        "a verify pass copies no committed snapshot into the state: its first row reads it in place",
         "sharpi_jax/runtime/steps.py",
-        (("        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True, static_argnames=(\"head\",))),\n",
-          "        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), static_argnames=(\"head\",))),  # MUTATION\n"),),
-        ("tests/runtime/test_steps.py", "-k", "test_commit_verify_writes_into_the_donated_snapshots"),
+        (("        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, into=snaps, head=head,\n"
+          "                                                  from_snapshot=index)\n",
+          "        logits, hidden, state, snaps = model.rows(commit(state, snaps, index), tokens, pos, n_valid, into=snaps,\n"
+          "                                                  head=head)  # MUTATION: the commit as a copy\n"),),
+        ("tests/runtime/test_steps.py", "-k", "test_verify_pass_copies_no_gdn_state"),
     ),
     Mutation(
         "verify_loop_carries_the_state",
         "a verify pass's GDN loop carries the snapshots only (no per-layer copy of the state per pass)",
         "sharpi_jax/model/gated_delta_net.py",
-        (("            o, (conv_snaps, ssm_snaps) = carry\n"
-          "            p = t - 1 if parent is None else at(parent, t)\n"
-          "            i = jnp.maximum(p, 0)\n"
-          "            conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))\n"
-          "            S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))\n"
-          "            conv, S, o = step(t, (conv, S, o))\n"
+        (("            o, (conv_snaps, ssm_snaps) = carry\n",
+          "            conv_c, S_c, o, (conv_snaps, ssm_snaps) = carry  # MUTATION: the loop carries the state\n"),
+         ("            conv, S, o = step(t, (conv, S, o))\n"
           "            return o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))\n",
-          "            conv, S, o, (conv_snaps, ssm_snaps) = carry  # MUTATION: a chain carries the state\n"
-          "            if parent is not None:\n"
-          "                p = at(parent, t)\n"
-          "                i = jnp.maximum(p, 0)\n"
-          "                conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))\n"
-          "                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))\n"
-          "            conv, S, o = step(t, (conv, S, o))\n"
+          "            conv, S, o = step(t, (jnp.where(t > 0, conv_c, conv), jnp.where(t > 0, S_c, S), o))\n"
           "            return conv, S, o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))\n"),
          ("        o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (o, snaps))\n",
           "        _, _, o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (conv_state, ssm_state, o, snaps))\n"),),
@@ -189,8 +182,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "verify_row0_reads_the_stale_snapshot",
         "batched verify == sequential: a pass's first row starts from the committed state, never a stale buffer",
         "sharpi_jax/model/gated_delta_net.py",
-        (("            conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))\n",
-          "            conv = at(conv_snaps, i)  # MUTATION: the buffer's old contents for row 0\n"),),
+        (("                i = jnp.where(p < 0, from_snapshot, p)\n",
+          "                i = jnp.maximum(p, 0)  # MUTATION: row 0 reads slot 0, not the committed snapshot\n"),),
         ("tests/runtime/test_steps.py", "-k", "test_commit_verify_writes_into_the_donated_snapshots"),
     ),
     Mutation(

@@ -199,7 +199,7 @@ class GatedDeltaNet(nnx.Module):
         return window[1:], S, o
 
     def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array, parent: jax.Array | None = None,
-                  rows: jax.Array | None = None, snapshots: bool = True, into=None):
+                  rows: jax.Array | None = None, snapshots: bool = True, into=None, from_snapshot=None):
         """Token-by-token form. x [T, D] -> (out [T, D], conv snapshots [T, Kc-1, C], ssm snapshots
         [T, Hv, dv, dk]); snapshot t is the state right after token t. parent [T] (draft-tree rows,
         parent[t] < t): row t starts from snapshot parent[t] (-1: the given state) instead of row t-1's.
@@ -210,7 +210,11 @@ class GatedDeltaNet(nnx.Module):
         into: (conv [T, ...], ssm [T, ...]) buffers the snapshots are written into, their contents never
         read (e.g. the previous pass's snapshots, donated: written in place instead of T fresh zeroed
         buffers, whose pages a CPU process faults in on every pass); None, or buffers of another width:
-        zeros. Rows >= rows keep whatever the buffers held."""
+        zeros. Rows >= rows keep whatever the buffers held.
+        from_snapshot: the state row 0 starts from is snapshot `from_snapshot` of `into` (the previous
+        pass's rollback), not conv_state / ssm_state: read in place before row 0 overwrites slot 0, so a
+        pass does not first copy the snapshot into the state (2 MB a GDN layer on the 35B shapes). The
+        per-row operations, and so the bits, are those of a pass from the state itself."""
         qkv, z, beta, g = self._project(x, rows)
         T = qkv.shape[0]
         # The loop runs rows [0, rows) only: a padding row's recurrence (~1 ms on the 35B shapes) is not
@@ -235,6 +239,8 @@ class GatedDeltaNet(nnx.Module):
         like = [((T,) + a.shape, a.dtype) for a in (conv_state, ssm_state)]
         if into is not None and [(a.shape, a.dtype) for a in into] == like:
             snaps = tuple(into)
+        elif from_snapshot is not None:
+            raise ValueError("from_snapshot needs `into` buffers of this pass's width")
         else:
             snaps = tuple(jnp.zeros(shape, dtype) for shape, dtype in like)
 
@@ -245,9 +251,13 @@ class GatedDeltaNet(nnx.Module):
         def body(t, carry):
             o, (conv_snaps, ssm_snaps) = carry
             p = t - 1 if parent is None else at(parent, t)
-            i = jnp.maximum(p, 0)
-            conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
-            S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
+            if from_snapshot is None:
+                i = jnp.maximum(p, 0)
+                conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
+                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
+            else:  # only row 0 is a root (p < 0): it reads its slot before writing it
+                i = jnp.where(p < 0, from_snapshot, p)
+                conv, S = at(conv_snaps, i), at(ssm_snaps, i)
             conv, S, o = step(t, (conv, S, o))
             return o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
 

@@ -69,14 +69,16 @@ class Block(nnx.Module):
         self.ffn = MoE(c, experts) if c.is_moe else SwiGLU(c.d_model, c.dense_ff)
 
     def __call__(self, x: jax.Array, cache: LayerCache, positions: jax.Array, valid: jax.Array,
-                 mode: str = "chunked", tree: TreeRows | None = None, with_q: bool = False, into=None):
+                 mode: str = "chunked", tree: TreeRows | None = None, with_q: bool = False, into=None,
+                 from_snapshot=None):
         """Rows x [T, D] at `positions` [T] int32; rows with valid [T] False are bucket padding (no KV
         write, no state change, zero-weight experts). Returns (x' [T, D], the block's new cache, the
         per-row GDN snapshots in mode "recurrent", else None). See BLOCK_MODES. tree (mode "recurrent"):
         draft-tree rows, each on its own root path (`sharpi_jax.model.tree`). with_q: a fourth
         output, an attention block's post-rope queries [T, Hq, hd] (None for a GDN block; SnapKV).
         into (mode "recurrent", a GDN block): a GDNCache of [T, ...] buffers its snapshots are written into
-        (`GatedDeltaNet.recurrent`).
+        (`GatedDeltaNet.recurrent`); from_snapshot: a GDN block starts from that snapshot of `into`, not
+        from its cache.
 
         A batch of sequences (training): x [B, T, D] with a cache of per-sequence caches [B, ...]
         (positions and valid shared): the mixer runs per sequence, the FFN on all B*T rows at once."""
@@ -87,12 +89,12 @@ class Block(nnx.Module):
             mix = jax.vmap(functools.partial(self._mix, mode=mode), in_axes=(0, 0, None, None))
             m, cache, snapshot, q = mix(a, cache, positions, valid)
         else:
-            m, cache, snapshot, q = self._mix(a, cache, positions, valid, mode, tree, into)
+            m, cache, snapshot, q = self._mix(a, cache, positions, valid, mode, tree, into, from_snapshot)
         h = x + m
         out = h + self.feed_forward(h, valid), cache, snapshot
         return out + (q,) if with_q else out
 
-    def _mix(self, a, cache, positions, valid, mode, tree=None, into=None):
+    def _mix(self, a, cache, positions, valid, mode, tree=None, into=None, from_snapshot=None):
         if mode not in BLOCK_MODES:
             raise ValueError(f"mode must be one of {BLOCK_MODES}, got {mode!r}")
         if tree is not None and mode != "recurrent":
@@ -104,7 +106,8 @@ class Block(nnx.Module):
         n_valid = jnp.sum(valid, dtype=jnp.int32)  # valid rows come first
         if mode == "recurrent":
             parent = None if tree is None else tree.parent
-            m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm, parent, n_valid, into=into)
+            m, conv_snaps, ssm_snaps = self.mixer.recurrent(a, cache.conv, cache.ssm, parent, n_valid, into=into,
+                                                            from_snapshot=from_snapshot)
             return m, cache, GDNCache(conv_snaps, ssm_snaps), None
         form = self.mixer.chunked if mode == "chunked" else self.mixer.sequential
         m, conv, ssm = form(a, valid, n_valid, cache.conv, cache.ssm)
@@ -143,7 +146,8 @@ class Transformer(nnx.Module):
         self.lm_head = Linear(c.d_model, c.n_vocab)
 
     def _trunk(self, state: tuple[LayerCache, ...], tokens: jax.Array, start: jax.Array, n_valid: jax.Array,
-               mode: str, tree: TreeRows | None = None, queries: list | None = None, into=None):
+               mode: str, tree: TreeRows | None = None, queries: list | None = None, into=None,
+               from_snapshot=None):
         T = tokens.shape[-1]  # tokens [T], or [B, T] for a batch of sequences (training)
         rows = jnp.arange(T, dtype=jnp.int32)
         positions = start + (rows if tree is None else tree.depth)
@@ -155,7 +159,8 @@ class Transformer(nnx.Module):
             if i > 0:
                 blk.prefetch(x, valid)  # a no-op unless its experts take predictions (residency lookahead)
             if queries is None:
-                x, cache, snapshot = blk(x, cache, positions, valid, mode, tree, into=buf)
+                x, cache, snapshot = blk(x, cache, positions, valid, mode, tree, into=buf,
+                                         from_snapshot=None if buf is None else from_snapshot)
             else:
                 x, cache, snapshot, q = blk(x, cache, positions, valid, mode, tree, with_q=True)
                 if q is not None:
@@ -172,14 +177,18 @@ class Transformer(nnx.Module):
         hidden, state, _ = self._trunk(state, tokens, start, n_valid, gdn, queries=queries)
         return (hidden, state, tuple(queries)) if with_q else (hidden, state)
 
-    def rows(self, state, tokens, start, n_valid, tree: TreeRows | None = None, into=None, head: bool = True):
+    def rows(self, state, tokens, start, n_valid, tree: TreeRows | None = None, into=None, head: bool = True,
+             from_snapshot=None):
         """T >= 2 rows with the recurrent GDN form. Returns (logits [T, V], hidden [T, D], state with the
         KV rows written and the GDN state unchanged, snapshots: per layer, a GDNCache of per-row states
         [T, ...] for a GDN layer, None for an attention layer). tree: draft-tree rows at positions
         start + tree.depth (`sharpi_jax.model.tree`); None: a chain at start, start + 1, ... into: Snapshots
-        of the same shapes (e.g. the previous pass's, donated) to write the snapshots into, in place.
+        of the same shapes (e.g. the previous pass's, donated) to write the snapshots into, in place;
+        from_snapshot: every GDN layer starts from that row of `into` (the previous pass's rollback,
+        never copied into the state), not from `state`, whose GDN entries are then returned unread.
         head False: no LM head (logits None; the caller computes the rows it needs, `head_row`)."""
-        hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent", tree, into=into)
+        hidden, state, snapshots = self._trunk(state, tokens, start, n_valid, "recurrent", tree, into=into,
+                                               from_snapshot=from_snapshot)
         return self.lm_head(hidden, n_valid) if head else None, hidden, state, snapshots
 
     def head_row(self, hidden, r):

@@ -146,32 +146,34 @@ def _step_fns(graph: Graph) -> dict:
         return select_snapshot(state, snaps, index)
 
     def commit_verify(params, cache, state, snaps, index, tokens, pos, n_valid, head=True):
-        # The previous pass's snapshots (donated) are read by the commit, then rewritten in place.
+        # The commit is not a copy: row 0 reads snapshot `index` of the previous pass's snapshots (donated)
+        # in place, then the pass rewrites them. The state's GDN entries go through unread.
         model = merge(params, cache)
-        logits, hidden, state, snaps = model.rows(commit(state, snaps, index), tokens, pos, n_valid, into=snaps,
-                                                  head=head)
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, into=snaps, head=head,
+                                                  from_snapshot=index)
         return _pass(logits, hidden, state, snaps), cache_out(model)
 
     def tree_commit_verify(params, cache, state, snaps, index, prev_pos, path, n_path, tokens, pos, n_valid,
                            depth, parent, anc, head=True):
-        state = move_kv_rows(commit(state, snaps, index), prev_pos + path, prev_pos, n_path)
+        state = move_kv_rows(state, prev_pos + path, prev_pos, n_path)  # the GDN commit: as commit_verify's
         model = merge(params, cache)
         tree = TreeRows(depth, parent, pos + jnp.arange(tokens.shape[0], dtype=jnp.int32), pos + anc)
-        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, into=snaps, head=head)
+        logits, hidden, state, snaps = model.rows(state, tokens, pos, n_valid, tree, into=snaps, head=head,
+                                                  from_snapshot=index)
         return _pass(logits, hidden, state, snaps), cache_out(model)
 
     return dict(
-        # keep_unused: a commit replaces the state's GDN entries by snapshots without reading them; kept
-        # as (donated) arguments, their buffers take the committed state in place of fresh allocations.
-        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True,
-                                                     static_argnames=("head",))),
+        tree_commit_verify=(tree_commit_verify, dict(donate_argnums=(1, 2, 3), static_argnames=("head",))),
         prefill=(prefill, dict(donate_argnums=(1, 2), static_argnames=("gdn", "with_q"))),
         head=(head, {}),
         head_row=(head_row, {}),
         decode=(decode, dict(donate_argnums=(1, 2))),
         verify=(verify, dict(donate_argnums=(1, 2))),
+        # keep_unused: a commit replaces the state's GDN entries by snapshots without reading them; kept
+        # as (donated) arguments, their buffers take the committed state in place of fresh allocations.
+        # (The passes return those entries as they came: their first row reads the snapshot in place.)
         commit=(commit, dict(donate_argnums=(0,), keep_unused=True)),
-        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), keep_unused=True, static_argnames=("head",))),
+        commit_verify=(commit_verify, dict(donate_argnums=(1, 2, 3), static_argnames=("head",))),
     )
 
 
@@ -296,7 +298,9 @@ class Runtime:
         """`commit(state, snaps, index)` (the previous pass's rollback; snaps=None: none) then
         `verify_step(state, tokens, pos, n_valid)` in ONE dispatch (the MTP loop's trunk pass).
         Returns `Pass(logits [T, V], greedy (argmax of each row [T] int32), hidden [T, D], state, snaps)`.
-        `snaps` is donated like the state: the pass writes its snapshots into those buffers (same width)."""
+        `snaps` is donated like the state: the pass writes its snapshots into those buffers (same width).
+        The returned state has the pass's KV rows; its GDN entries are the given ones, unread (row 0
+        starts from snapshot `index` in place): the state after a row is `commit(state, snaps, row)`."""
         T = tokens.shape[0]
         if not 1 <= n_valid <= T or pos + n_valid > self.max_context:
             raise InputError(f"commit_verify: {n_valid} rows at position {pos} (width {T}, max_context "
@@ -316,7 +320,8 @@ class Runtime:
         (parent[t] < t, -1 for the root) at position pos + depth[t], its K/V at slot pos + t; rows >=
         n_valid are padding. Every valid row's logits, hidden and GDN snapshot are bitwise those of
         single-token decode steps along its root path. Returns `Pass(logits [T, V], greedy [T] int32,
-        hidden [T, D], state, snaps (row t = the state after node t))`."""
+        hidden [T, D], state, snaps (row t = the state after node t))`; the state's GDN entries as
+        `commit_verify`'s."""
         T = tokens.shape[0]
         if not 1 <= n_valid <= T or pos + n_valid > self.max_context:
             raise InputError(f"tree pass: {n_valid} of {T} rows at position {pos} exceed max_context "
