@@ -145,7 +145,7 @@ def _decode_loop(runtime: Runtime, mtp: MTPRuntime | None, decs: list, logits, P
             _stack([d.cache for d in decs]), logits, _stack([d.h_prev for d in decs]), P,
             np.int32(d0.mtp_offset), np.int32(d0.k), np.int32(o.max_new_tokens), np.int32(runtime.max_context),
             np.int32(d0.last_position()), eos, sampling, out0, vocab, None if drafter_p_min(o) is None else np.float32(drafter_p_min(o)),
-            K=d0.K, greedy=o.sampling.greedy)
+            None, K=d0.K, greedy=o.sampling.greedy)
     else:
         d0 = decs[0]
         out0 = np.zeros((B, out_slots(o.max_new_tokens, d0.n_nodes)), np.int32)
@@ -154,7 +154,7 @@ def _decode_loop(runtime: Runtime, mtp: MTPRuntime | None, decs: list, logits, P
             runtime.params, runtime.cache, mtp.params, _stack([d.state for d in decs]),
             _stack([d.cache for d in decs]), logits, _stack([d.h_prev for d in decs]), P,
             np.int32(o.max_new_tokens), np.int32(runtime.max_context), np.int32(d0.last_position()), eos, sampling,
-            out0, K=d0.k, N=d0.n_nodes, c=d0.drafter.c, greedy=o.sampling.greedy)
+            out0, None, K=d0.k, N=d0.n_nodes, c=d0.drafter.c, greedy=o.sampling.greedy)
     return out, n, code, end, counts
 
 

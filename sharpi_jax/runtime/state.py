@@ -91,6 +91,20 @@ def repeat_as_snapshots(state: DecodeState, n_rows: int) -> Snapshots:
     return tuple(GDNCache(rep(c.conv), rep(c.ssm)) if isinstance(c, GDNCache) else None for c in state)
 
 
+def seed_snapshots(buffers: Snapshots, state: DecodeState) -> Snapshots:
+    """`buffers` (snapshot buffers of an earlier pass, donated) with row 0 set to the state: what a pass
+    whose rollback index is 0 reads of `repeat_as_snapshots(state, T)`, written into buffers a process
+    has touched before instead of new ones (a fresh 2 MB a row and GDN layer on the 35B shapes faults its
+    pages in: ~180 ms a generation on the research twin)."""
+    return tuple(b if b is None else GDNCache(b.conv.at[0].set(c.conv), b.ssm.at[0].set(c.ssm))
+                 for b, c in zip(buffers, state, strict=True))
+
+
+def snapshot_rows(snaps: Snapshots) -> int | None:
+    """The rows T of snapshots (None without a GDN layer)."""
+    return next((s.conv.shape[0] for s in snaps if s is not None), None)
+
+
 def move_kv_rows(state: DecodeState, src: jax.Array, dst0: jax.Array, n: jax.Array) -> DecodeState:
     """Every attention layer's KV rows src[i] -> dst0 + i for i < n (all read before any write): a
     draft tree's accepted path moved into place. src [W] int32, positions: a compacted (SnapKV) layer

@@ -35,7 +35,7 @@ from sharpi_jax.model.tree import TreeRows, tree_arrays
 from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, split
 from sharpi_jax.runtime.sampling import argmax
 from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
-                                      select_snapshot)
+                                      select_snapshot, snapshot_rows)
 
 MAX_PADDING_SHARE = 0.25  # a chunk may round up to a bucket when at most this share of it is padding
 
@@ -203,11 +203,29 @@ class Runtime:
         self.lazy_head = self.run.verify_head == "lazy" or (self.run.verify_head == "auto" and on_ggml)
         self._fns = _step_fns(self.graph)
         self._hold = hold(self.graph)
+        self._snapshot_buffers: Snapshots | None = None  # the last device loop's (`snapshot_buffers`)
 
     def close(self) -> None:
         """Drop the params and cache and release the graph's compiled steps (`compiled.release`)."""
         self._hold.release()
         self.params, self.cache, self._fns = (), (), None
+        self._snapshot_buffers = None
+
+    def snapshot_buffers(self, state: DecodeState, T: int) -> Snapshots:
+        """GDN snapshot buffers of T rows for a speculative device loop to donate (it seeds row 0 with
+        the state, `state.seed_snapshots`, and hands them back through `keep_snapshot_buffers`): the
+        last loop's when they have T rows, else new ones. Kept between generations (T rows of the GDN
+        state: 60 MB a row on the 35B shapes) because a loop's fresh buffers cost their page faults on
+        every generation; `close` drops them."""
+        kept, self._snapshot_buffers = self._snapshot_buffers, None
+        if kept is not None and snapshot_rows(kept) == T:
+            return kept
+        del kept  # a loop of another width: its buffers go before the new ones are made
+        return repeat_as_snapshots(state, T)
+
+    def keep_snapshot_buffers(self, snaps: Snapshots) -> None:
+        """Keep a device loop's returned snapshot buffers for the next (`snapshot_buffers`)."""
+        self._snapshot_buffers = snaps
 
     @property
     def steps(self) -> SimpleNamespace:

@@ -81,6 +81,62 @@ def test_greedy_and_seeded_equal_host_loop(default_engine):
             assert s["accepted"] > 0 and s["accepted"] < s["drafted"]  # accepting and rejecting passes (rollback)
 
 
+def test_device_loops_reuse_their_snapshot_buffers(default_engine):
+    """A speculative device loop hands its GDN snapshot buffers back to the runtime, and the next loop of
+    the same width writes into those same buffers (no new ones per generation), seeding row 0 with its
+    state: what they held, the last generation's snapshots, is never read. Different prompts in a row
+    give the host loop's tokens and, bit for bit, its last pass's snapshots (one pass: n = 3; several:
+    n = 24), for the chain and the tree."""
+    import jax
+    import numpy as np
+    from sharpi_jax.runtime.state import gdn_caches
+    from tests.bitwise import assert_bitwise_equal
+    e = default_engine
+    rt = e.runtime
+    prompts = [e.tokenizer.encode(t) for t in ("def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ")]
+    runs = {"chain": (lambda p, n, trace: generate_mtp(rt, e.mtp, p, n, GREEDY, (), 3, trace=trace),
+                      lambda p, n: generate_mtp_device(rt, e.mtp, p, n, GREEDY, (), 3)),
+            "tree": (lambda p, n, trace: generate_tree(rt, e.mtp, p, n, GREEDY, (), 3, 8, trace=trace),
+                     lambda p, n: generate_tree_device(rt, e.mtp, p, n, GREEDY, (), 3, 8))}
+    for mode, (host, device) in runs.items():
+        ptrs = []
+        for p, n in [(p, n) for n in (3, 24) for p in prompts]:
+            trace = []
+            want = host(p, n, trace)[0]
+            assert device(p, n)[0] == want, (mode, n)
+            last = trace[-1]
+            m = len(last["conv"][0])  # the last pass's rows
+            kept = gdn_caches(rt._snapshot_buffers)
+            # (copies: a numpy view of a buffer would keep the next loop from donating it)
+            got = (tuple(np.array(g.conv)[:m] for g in kept), tuple(np.array(g.ssm)[:m] for g in kept))
+            del kept
+            assert_bitwise_equal(got, (last["conv"], last["ssm"]))
+            ptrs.append([a.unsafe_buffer_pointer() for a in jax.tree.leaves(rt._snapshot_buffers)])
+        assert ptrs[0] and all(q == ptrs[0] for q in ptrs), mode
+
+
+def test_decode_loop_copies_no_state(default_engine):
+    """The MTP-off device loop takes the sequence's state donated and hands it back: the compiled loop
+    copies no KV cache or GDN state into its own buffers (not donated, XLA copied every one of them at
+    the start of every generation)."""
+    import numpy as np
+    from sharpi_jax.runtime.device_loop import eos_array
+    from sharpi_jax.runtime.sampling import traced_params
+    from sharpi_jax.runtime.strategies import plain
+    rt = default_engine.runtime
+    state = rt.new_state()
+    logits = np.zeros(default_engine.config.n_vocab, np.float32)
+    fn = plain.jitted_loop(rt.steps.decode)
+    text = fn.lower(rt.params, rt.cache, state, logits, np.int32(3), np.int32(8), np.int32(rt.max_context),
+                    eos_array(()), traced_params(GREEDY), np.zeros(out_slots(8), np.int32),
+                    greedy=True).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    shapes = {"f32[" + ",".join(map(str, a.shape)) + "]" for a in __import__("jax").tree.leaves(state)}
+    copies = [line.strip()[:120] for line in entry.splitlines()
+              if (m := re.match(r"\s*(?:ROOT )?%\S+ = (f32\[[\d,]*\])\S* copy\(", line)) and m.group(1) in shapes]
+    assert not copies, copies
+
+
 def test_tree_shapes(default_engine):
     """The tree loop at other depths / node counts (the chain as a tree: nodes = depth; a single level)."""
     e = default_engine

@@ -32,7 +32,7 @@ from sharpi_jax.runtime.options import drafter_p_min
 from sharpi_jax.runtime.passes import pass_stats
 from sharpi_jax.runtime.sampling import SamplingParams, traced_params
 from sharpi_jax.runtime.speculative import MTPDecoder
-from sharpi_jax.runtime.state import repeat_as_snapshots
+from sharpi_jax.runtime.state import repeat_as_snapshots, seed_snapshots
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.strategies.base import Strategy
 
@@ -88,8 +88,9 @@ class _Loop(NamedTuple):
     head_row: Callable | None
 
 
-def _init(e: _Loop, cache, state, mtp_cache, logits, h_last, P, sampling, out) -> dict:
-    """The carry after the prefill: the first token emitted, no pass yet."""
+def _init(e: _Loop, cache, buffers, state, mtp_cache, logits, h_last, P, sampling, out) -> dict:
+    """The carry after the prefill: the first token emitted, no pass yet. buffers: snapshot buffers to
+    reuse (`Runtime.snapshot_buffers`), None: new ones."""
     K = e.K
     D = h_last.shape[0]
     tok, stop = first_token(e.greedy, sampling, logits, P, e.eos, e.max_new, e.max_context)
@@ -97,7 +98,8 @@ def _init(e: _Loop, cache, state, mtp_cache, logits, h_last, P, sampling, out) -
     counts = jnp.zeros((K + 1,), jnp.int32)  # per draft position i = 1..K (index 0 unused)
     return dict(
         cache=cache, state=state, mtp_cache=mtp_cache,
-        snaps=repeat_as_snapshots(state, K + 1), a_prev=zi,  # rollback of the previous pass (none yet)
+        # The first pass's rollback index 0 reads row 0: the state itself.
+        snaps=repeat_as_snapshots(state, K + 1) if buffers is None else seed_snapshots(buffers, state), a_prev=zi,
         vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
         hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
         stop=stop, passes=zi, drafted=zi, accepted=zi, tried=counts, hit=counts, sampling=sampling)
@@ -148,26 +150,32 @@ def _body(e: _Loop, c: dict) -> dict:
         hit=c["hit"].at[1:].add((a >= pos_i).astype(jnp.int32)), sampling=c["sampling"])
 
 
-def _fin(c: dict) -> tuple:
+def _fin(c: dict, back: bool = False) -> tuple:
+    """The loop's results; back (one sequence): its donated buffers too (state, MTP cache: aliased, so
+    never copied into the loop's own; snapshots: for the next loop to reuse)."""
     counts = dict(passes=c["passes"], drafted=c["drafted"], accepted=c["accepted"], tried=c["tried"][1:],
                   hit=c["hit"][1:])
-    return c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"]
+    out = (c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"])
+    return out + ((c["state"], c["mtp_cache"], c["snaps"]),) if back else out
 
 
 @derived_cache
 def jitted_loop(commit_verify, draft, batch: bool = False, head_row=None):
     """The jitted MTP chain loop over one model graph's `commit_verify` and one head's `draft` (batch: over
-    a batch of sequences; head_row: that graph's `head_row` for a lazy LM head, one sequence only)."""
+    a batch of sequences; head_row: that graph's `head_row` for a lazy LM head, one sequence only). One
+    sequence: the state, the MTP cache and the snapshot buffers (`Runtime.snapshot_buffers`) donated; they
+    come back as a last result."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, mtp_off, k, max_new, max_context,
-            slot_room, eos, sampling, out, vocab, p_min, K, greedy):
+            slot_room, eos, sampling, out, vocab, p_min, buffers, K, greedy):
         rows = jnp.arange(K + 1, dtype=jnp.int32)
         e = _Loop(commit_verify, draft, params, mtp_params, mtp_off, k, max_new, max_context, slot_room, eos, vocab,
                   p_min, K, greedy, rows, head_row)
-        return drive(functools.partial(_init, e, cache), functools.partial(_body, e), _fin,
-                     (state, mtp_cache, logits, h_last, P, sampling, out), batch)
+        return drive(functools.partial(_init, e, cache, buffers), functools.partial(_body, e),
+                     functools.partial(_fin, back=not batch), (state, mtp_cache, logits, h_last, P, sampling, out),
+                     batch)
 
-    return jit_loop(run, batch, ("K", "greedy"))
+    return jit_loop(run, batch, ("K", "greedy"), donate=(3, 4, 18))  # state, mtp_cache, buffers
 
 
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
@@ -190,12 +198,13 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
         slot_room = dec.last_position()  # slot_room - P: the drafts the caches' slots still hold
         fn = jitted_loop(runtime.steps.commit_verify, mtp.draft_fn, False,
                          runtime.steps.head_row if runtime.lazy_head else None)
-        out, n, code, end, counts, runtime.cache = fn(
+        out, n, code, end, counts, runtime.cache, (_, _, buffers) = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(dec.mtp_offset), np.int32(dec.k), np.int32(max_new_tokens),
             np.int32(runtime.max_context), np.int32(slot_room), eos_array(stop_ids), traced_params(sampling),
             np.zeros(out_slots(max_new_tokens, K), np.int32), vocab, None if p_min is None else np.float32(p_min),
-            K=K, greedy=sampling.greedy)
+            runtime.snapshot_buffers(dec.state, K + 1), K=K, greedy=sampling.greedy)
+        runtime.keep_snapshot_buffers(buffers)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
         tokens, stop, P = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)], int(P)
     t2 = time.perf_counter()

@@ -78,11 +78,12 @@ def jitted_loop(decode, batch: bool = False):
                         stop=stop, sampling=c["sampling"])
 
         def fin(c):  # c["cache"]: the residency cache, threaded through the steps (empty for a batch)
-            return c["out"], c["i"] + 1, c["stop"], c["pos"], c["cache"]
+            # One sequence: the donated state comes back too (aliased: no copy into the loop's buffers).
+            return (c["out"], c["i"] + 1, c["stop"], c["pos"], c["cache"]) + (() if batch else (c["state"],))
 
         return drive(init, body, fin, (state, logits, pos, sampling, out), batch)
 
-    return jit_loop(run, batch, ("greedy",))
+    return jit_loop(run, batch, ("greedy",), donate=(2,))  # the state
 
 
 def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
@@ -99,7 +100,7 @@ def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens:
         tokens, stop = [], "max_new_tokens"
     else:
         fn = jitted_loop(runtime.steps.decode)
-        out, n, code, end, runtime.cache = fn(
+        out, n, code, end, runtime.cache, _ = fn(
             runtime.params, runtime.cache, state, logits, np.int32(pos), np.int32(max_new_tokens),
             np.int32(runtime.max_context), eos_array(stop_ids), traced_params(sampling),
             np.zeros(out_slots(max_new_tokens), np.int32), greedy=sampling.greedy)

@@ -23,7 +23,7 @@ from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.mtp import MTPRuntime
 from sharpi_jax.runtime.passes import pass_counts, pass_stats
 from sharpi_jax.runtime.sampling import SamplingParams, traced_params
-from sharpi_jax.runtime.state import repeat_as_snapshots
+from sharpi_jax.runtime.state import repeat_as_snapshots, seed_snapshots
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.strategies.base import Strategy
 from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node
@@ -80,15 +80,17 @@ class _Loop(NamedTuple):
     head_row: Callable | None
 
 
-def _init(e: _Loop, cache, state, mtp_cache, logits, h_last, P, sampling, out) -> dict:
-    """The carry after the prefill: the first token emitted, no pass yet."""
+def _init(e: _Loop, cache, buffers, state, mtp_cache, logits, h_last, P, sampling, out) -> dict:
+    """The carry after the prefill: the first token emitted, no pass yet. buffers: snapshot buffers to
+    reuse (`Runtime.snapshot_buffers`), None: new ones."""
     K, T = e.K, e.T
     D = h_last.shape[0]
     tok, stop = first_token(e.greedy, sampling, logits, P, e.eos, e.max_new, e.max_context)
     zi = jnp.int32(0)
     rec = jnp.zeros((out.shape[0],), jnp.int32)  # per pass: nodes, depth, accepted
     return dict(
-        cache=cache, state=state, mtp_cache=mtp_cache, snaps=repeat_as_snapshots(state, T), node=zi,
+        cache=cache, state=state, mtp_cache=mtp_cache, node=zi,  # the first pass's commit reads row 0: the state
+        snaps=repeat_as_snapshots(state, T) if buffers is None else seed_snapshots(buffers, state),
         prev=zi, path=jnp.zeros((T,), jnp.int32), n_path=zi,  # commit of the previous pass (none yet)
         vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
         hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
@@ -141,19 +143,23 @@ def _body(e: _Loop, c: dict) -> dict:
         acc=c["acc"].at[i].set(a), sampling=c["sampling"])
 
 
-def _fin(c: dict) -> tuple:
+def _fin(c: dict, back: bool = False) -> tuple:
+    """The loop's results; back (one sequence): its donated buffers too (state, MTP cache: aliased, so
+    never copied into the loop's own; snapshots: for the next loop to reuse)."""
     counts = dict(passes=c["passes"], nodes=c["nodes"], depth=c["depth"], acc=c["acc"])
-    return c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"]
+    out = (c["out"], c["n_out"], c["stop"], c["P"], counts, c["cache"])
+    return out + ((c["state"], c["mtp_cache"], c["snaps"]),) if back else out
 
 
 @derived_cache
 def jitted_loop(tree_commit_verify, root, level, batch: bool = False, head_row=None):
     """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls
     (batch: over a batch of sequences, a stopped sequence's rows padding; head_row: that graph's `head_row`
-    for a lazy LM head, one sequence only)."""
+    for a lazy LM head, one sequence only). One sequence: the state, the MTP cache and the snapshot
+    buffers (`Runtime.snapshot_buffers`) donated; they come back as a last result."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, slot_room, eos,
-            sampling, out, K, N, c, greedy):
+            sampling, out, buffers, K, N, c, greedy):
         T = N + 1
         one = jax.tree.map(lambda a: a[0], mtp_cache) if batch else mtp_cache  # one sequence's cache (shapes)
         S = one.end_position()  # where the MTP cache's slots end, as a position (as the host drafter)
@@ -161,10 +167,11 @@ def jitted_loop(tree_commit_verify, root, level, batch: bool = False, head_row=N
         krows = jnp.arange(K + 1, dtype=jnp.int32)
         e = _Loop(tree_commit_verify, root, level, params, mtp_params, max_new, max_context, slot_room, eos, K, N, c,
                   greedy, T, S, rows, krows, head_row)
-        return drive(functools.partial(_init, e, cache), functools.partial(_body, e), _fin,
-                     (state, mtp_cache, logits, h_last, P, sampling, out), batch)
+        return drive(functools.partial(_init, e, cache, buffers), functools.partial(_body, e),
+                     functools.partial(_fin, back=not batch), (state, mtp_cache, logits, h_last, P, sampling, out),
+                     batch)
 
-    return jit_loop(run, batch, ("K", "N", "c", "greedy"))
+    return jit_loop(run, batch, ("K", "N", "c", "greedy"), donate=(3, 4, 14))  # state, mtp_cache, buffers
 
 
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
@@ -186,12 +193,13 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         fn = jitted_loop(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level, False,
                          runtime.steps.head_row if runtime.lazy_head else None)
         slot_room = dec.last_position()  # as the chain: slot_room - P = the nodes the slots still hold
-        out, n, code, end, counts, runtime.cache = fn(
+        out, n, code, end, counts, runtime.cache, (_, _, buffers) = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(max_new_tokens), np.int32(runtime.max_context), np.int32(slot_room), eos_array(stop_ids),
-            traced_params(sampling),
-            np.zeros(out_slots(max_new_tokens, dec.n_nodes), np.int32), K=dec.k, N=dec.n_nodes, c=dec.drafter.c,
+            traced_params(sampling), np.zeros(out_slots(max_new_tokens, dec.n_nodes), np.int32),
+            runtime.snapshot_buffers(dec.state, dec.n_nodes + 1), K=dec.k, N=dec.n_nodes, c=dec.drafter.c,
             greedy=sampling.greedy)
+        runtime.keep_snapshot_buffers(buffers)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
         tokens, stop, P = [int(x) for x in out[:int(n)]], STOP_REASONS[int(code)], int(P)
         m = int(counts["passes"])
