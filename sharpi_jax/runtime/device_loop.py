@@ -138,9 +138,10 @@ def pass_stop(emit, a, n_out, P, rows, eos, max_new, max_context):
     return stop, any_stop, j, P_new
 
 
-def jit_loop(run: Callable, batch: bool, static_argnames: tuple[str, ...], donate: tuple[int, ...] = ()):
-    """A strategy's loop function `run(params, cache, ...)` jitted: unless batch, the trunk's cache
-    (argument 1) and the arguments `donate` (the sequence's state, which the loop carries: not donated,
-    XLA copies every KV cache into the loop's buffers on every generation) donated; static_argnames
+def jit_loop(run: Callable, batch: bool, static_argnames: tuple[str, ...], donate: tuple[str, ...] = ()):
+    """A strategy's loop function `run(params, cache, ...)` jitted: unless batch, the trunk's `cache` and
+    the arguments named in `donate` donated (the sequence's state, which the loop carries and returns:
+    not donated, XLA copies every KV cache into the loop's buffers on every generation); static_argnames
     static."""
-    return jax.jit(run, donate_argnums=() if batch else (1,) + tuple(donate), static_argnames=static_argnames)
+    return jax.jit(run, donate_argnames=() if batch else ("cache",) + tuple(donate),
+                   static_argnames=static_argnames)

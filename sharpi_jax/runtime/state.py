@@ -91,11 +91,14 @@ def repeat_as_snapshots(state: DecodeState, n_rows: int) -> Snapshots:
     return tuple(GDNCache(rep(c.conv), rep(c.ssm)) if isinstance(c, GDNCache) else None for c in state)
 
 
-def seed_snapshots(buffers: Snapshots, state: DecodeState) -> Snapshots:
-    """`buffers` (snapshot buffers of an earlier pass, donated) with row 0 set to the state: what a pass
-    whose rollback index is 0 reads of `repeat_as_snapshots(state, T)`, written into buffers a process
-    has touched before instead of new ones (a fresh 2 MB a row and GDN layer on the 35B shapes faults its
-    pages in: ~180 ms a generation on the research twin)."""
+def first_snapshots(state: DecodeState, n_rows: int, buffers: Snapshots | None = None) -> Snapshots:
+    """The snapshots a loop's first pass commits from (rollback index 0: the state itself). With
+    `buffers` (n_rows-row snapshot buffers of an earlier loop, donated): those with row 0 set to the
+    state, all the first pass reads, instead of new buffers (a fresh 2 MB a row and GDN layer on the 35B
+    shapes faults its pages in: ~180 ms a generation on the research twin); else
+    `repeat_as_snapshots(state, n_rows)`."""
+    if buffers is None:
+        return repeat_as_snapshots(state, n_rows)
     return tuple(b if b is None else GDNCache(b.conv.at[0].set(c.conv), b.ssm.at[0].set(c.ssm))
                  for b, c in zip(buffers, state, strict=True))
 

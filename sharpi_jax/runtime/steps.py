@@ -213,7 +213,7 @@ class Runtime:
 
     def snapshot_buffers(self, state: DecodeState, T: int) -> Snapshots:
         """GDN snapshot buffers of T rows for a speculative device loop to donate (it seeds row 0 with
-        the state, `state.seed_snapshots`, and hands them back through `keep_snapshot_buffers`): the
+        the state, `state.first_snapshots`, and hands them back through `keep_snapshot_buffers`): the
         last loop's when they have T rows, else new ones. Kept between generations (T rows of the GDN
         state: 60 MB a row on the 35B shapes) because a loop's fresh buffers cost their page faults on
         every generation; `close` drops them."""

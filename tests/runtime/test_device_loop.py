@@ -119,6 +119,7 @@ def test_decode_loop_copies_no_state(default_engine):
     """The MTP-off device loop takes the sequence's state donated and hands it back: the compiled loop
     copies no KV cache or GDN state into its own buffers (not donated, XLA copied every one of them at
     the start of every generation)."""
+    import jax
     import numpy as np
     from sharpi_jax.runtime.device_loop import eos_array
     from sharpi_jax.runtime.sampling import traced_params
@@ -131,7 +132,7 @@ def test_decode_loop_copies_no_state(default_engine):
                     eos_array(()), traced_params(GREEDY), np.zeros(out_slots(8), np.int32),
                     greedy=True).compile().as_text()
     entry = text[text.index("\nENTRY"):]
-    shapes = {"f32[" + ",".join(map(str, a.shape)) + "]" for a in __import__("jax").tree.leaves(state)}
+    shapes = {"f32[" + ",".join(map(str, a.shape)) + "]" for a in jax.tree.leaves(state)}
     copies = [line.strip()[:120] for line in entry.splitlines()
               if (m := re.match(r"\s*(?:ROOT )?%\S+ = (f32\[[\d,]*\])\S* copy\(", line)) and m.group(1) in shapes]
     assert not copies, copies

@@ -32,7 +32,7 @@ from sharpi_jax.runtime.options import drafter_p_min
 from sharpi_jax.runtime.passes import pass_stats
 from sharpi_jax.runtime.sampling import SamplingParams, traced_params
 from sharpi_jax.runtime.speculative import MTPDecoder
-from sharpi_jax.runtime.state import repeat_as_snapshots, seed_snapshots
+from sharpi_jax.runtime.state import first_snapshots
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.strategies.base import Strategy
 
@@ -98,8 +98,7 @@ def _init(e: _Loop, cache, buffers, state, mtp_cache, logits, h_last, P, samplin
     counts = jnp.zeros((K + 1,), jnp.int32)  # per draft position i = 1..K (index 0 unused)
     return dict(
         cache=cache, state=state, mtp_cache=mtp_cache,
-        # The first pass's rollback index 0 reads row 0: the state itself.
-        snaps=repeat_as_snapshots(state, K + 1) if buffers is None else seed_snapshots(buffers, state), a_prev=zi,
+        snaps=first_snapshots(state, K + 1, buffers), a_prev=zi,
         vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
         hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
         stop=stop, passes=zi, drafted=zi, accepted=zi, tried=counts, hit=counts, sampling=sampling)
@@ -175,7 +174,7 @@ def jitted_loop(commit_verify, draft, batch: bool = False, head_row=None):
                      functools.partial(_fin, back=not batch), (state, mtp_cache, logits, h_last, P, sampling, out),
                      batch)
 
-    return jit_loop(run, batch, ("K", "greedy"), donate=(3, 4, 18))  # state, mtp_cache, buffers
+    return jit_loop(run, batch, ("K", "greedy"), donate=("state", "mtp_cache", "buffers"))
 
 
 def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,

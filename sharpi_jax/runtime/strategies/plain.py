@@ -83,7 +83,7 @@ def jitted_loop(decode, batch: bool = False):
 
         return drive(init, body, fin, (state, logits, pos, sampling, out), batch)
 
-    return jit_loop(run, batch, ("greedy",), donate=(2,))  # the state
+    return jit_loop(run, batch, ("greedy",), donate=("state",))
 
 
 def generate_ids_device(runtime: Runtime, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,

@@ -23,7 +23,7 @@ from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.mtp import MTPRuntime
 from sharpi_jax.runtime.passes import pass_counts, pass_stats
 from sharpi_jax.runtime.sampling import SamplingParams, traced_params
-from sharpi_jax.runtime.state import repeat_as_snapshots, seed_snapshots
+from sharpi_jax.runtime.state import first_snapshots
 from sharpi_jax.runtime.steps import Runtime
 from sharpi_jax.runtime.strategies.base import Strategy
 from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node
@@ -89,8 +89,7 @@ def _init(e: _Loop, cache, buffers, state, mtp_cache, logits, h_last, P, samplin
     zi = jnp.int32(0)
     rec = jnp.zeros((out.shape[0],), jnp.int32)  # per pass: nodes, depth, accepted
     return dict(
-        cache=cache, state=state, mtp_cache=mtp_cache, node=zi,  # the first pass's commit reads row 0: the state
-        snaps=repeat_as_snapshots(state, T) if buffers is None else seed_snapshots(buffers, state),
+        cache=cache, state=state, mtp_cache=mtp_cache, snaps=first_snapshots(state, T, buffers), node=zi,
         prev=zi, path=jnp.zeros((T,), jnp.int32), n_path=zi,  # commit of the previous pass (none yet)
         vt=jnp.zeros((K + 1,), jnp.int32), n_pend=zi, pend_start=P, h_prev=h_last,
         hidden=jnp.zeros((K + 1, D), jnp.float32), t=tok, P=P, n_out=jnp.int32(1), out=out.at[0].set(tok),
@@ -171,7 +170,7 @@ def jitted_loop(tree_commit_verify, root, level, batch: bool = False, head_row=N
                      functools.partial(_fin, back=not batch), (state, mtp_cache, logits, h_last, P, sampling, out),
                      batch)
 
-    return jit_loop(run, batch, ("K", "N", "c", "greedy"), donate=(3, 4, 14))  # state, mtp_cache, buffers
+    return jit_loop(run, batch, ("K", "N", "c", "greedy"), donate=("state", "mtp_cache", "buffers"))
 
 
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
