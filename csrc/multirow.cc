@@ -41,116 +41,108 @@ SHARPI_INLINE __m256i spread16(__m256i v, int c) {
 // R activation rows against weight rows [n0, n1). Lane i of a row's int32 sums holds, per 32-value chunk c,
 // scale_c * (the products of bytes 4i..4i+3): the lanes of ggml's maddubs / madd pairs.
 
-template <bool kQ5, int R>
-SHARPI_AVX2 void k4_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                          const uint8_t* const* q, float* const* out) {
-  const int64_t nb = k / kQK;
-  const size_t bsz = kQ5 ? kQ5K : kQ4K;
-  const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-  const BsumPairs* pairs = bsum_pairs<R>(nb, q);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * w_row;
-    RowAcc a[R];
-    for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
-    for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* blk = wr + i * bsz;
-      const __m256i sm = _mm256_cvtepu8_epi16(scale_min_k4(blk + 4));
-      const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
-      const uint8_t* qs = blk + (kQ5 ? 48 : 16);
-      __m256i hbits = _mm256_setzero_si256();
-      if (kQ5) hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-      __m256i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-        __m256i ql = _mm256_and_si256(bits, m4), qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-        if (kQ5) {
-          ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
-          qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
+template <bool kQ5>
+struct K4 {
+  template <int R>
+  SHARPI_AVX2 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                const uint8_t* const* q, float* const* out) {
+    const int64_t nb = k / kQK;
+    const size_t bsz = kQ5 ? kQ5K : kQ4K;
+    const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    const BsumPairs* pairs = bsum_pairs<R>(nb, q);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * w_row;
+      RowAcc a[R];
+      for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* blk = wr + i * bsz;
+        const __m256i sm = _mm256_cvtepu8_epi16(scale_min_k4(blk + 4));
+        const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+        const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+        __m256i hbits = _mm256_setzero_si256();
+        if (kQ5) hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+        __m256i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+  #pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+          __m256i ql = _mm256_and_si256(bits, m4), qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+          if (kQ5) {
+            ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
+            qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
+          }
+          const __m256i sl = spread16(scales, 2 * j), sh = spread16(scales, 2 * j + 1);
+  #pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const uint8_t* y = q[r] + i * kQ8K + 4 + 64 * j;
+            const __m256i pl = _mm256_maddubs_epi16(ql, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)));
+            const __m256i ph = _mm256_maddubs_epi16(qh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32)));
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(sl, pl), _mm256_madd_epi16(sh, ph)));
+          }
         }
-        const __m256i sl = spread16(scales, 2 * j), sh = spread16(scales, 2 * j + 1);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* y = q[r] + i * kQ8K + 4 + 64 * j;
-          const __m256i pl = _mm256_maddubs_epi16(ql, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)));
-          const __m256i ph = _mm256_maddubs_epi16(qh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32)));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(sl, pl), _mm256_madd_epi16(sh, ph)));
-        }
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        const K4Scales fs = k4_scales(blk);
+  #pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) k4_block<kQ5>(a[r], sumi[r], q[r] + i * kQ8K,
+                                                   fs, mins, pairs[i * R + r]);
       }
-      const __m128i mins = _mm256_extracti128_si256(sm, 1);
-      const K4Scales fs = k4_scales(blk);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) k4_block<kQ5>(a[r], sumi[r], q[r] + i * kQ8K,
-                                                 fs, mins, pairs[i * R + r]);
+      for (int r = 0; r < R; ++r) out[r][n] = k4_result<kQ5>(a[r]);
     }
-    for (int r = 0; r < R; ++r) out[r][n] = k4_result<kQ5>(a[r]);
   }
-}
+};
 
 // ---- Q6_K ----------------------------------------------------------------------------------------
 //
 // Value 128j + 32t + l takes its low 4 bits from ql and bits 2t, 2t+1 of qh[32j + l] as its top 2; chunk c
 // (values 32c..32c+31): int16 lanes 0-7 use scale 2c, lanes 8-15 scale 2c + 1.
-template <int R>
-SHARPI_AVX2 void q6_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                          const uint8_t* const* q, float* const* out) {
-  const int64_t nb = k / kQK;
-  const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
-                m48 = _mm256_set1_epi8(48), m192 = _mm256_set1_epi8(static_cast<char>(0xC0));
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * w_row;
-    RowAcc a[R];
-    for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
-    for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* blk = wr + i * kQ6K;
-      const uint8_t* ql = blk;
-      const uint8_t* qh = blk + 128;
-      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-      __m256i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-      for (int j = 0; j < 2; ++j) {
-        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j));
-        const __m256i l2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j + 32));
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * j));
-        __m256i qv[4];
-        qv[0] = _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
-        qv[1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(h, m12), 2));
-        qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(h, m48));
-        qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15), _mm256_srli_epi16(_mm256_and_si256(h, m192), 2));
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-          const int c = 4 * j + t;
-          const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * c]), _mm_set1_epi16(scales[2 * c + 1]));
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m256i p = _mm256_maddubs_epi16(qv[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + i * kQ8K + 4 + 32 * c)));
-            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(sc, p));
+struct Q6 {
+  template <int R>
+  SHARPI_AVX2 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                const uint8_t* const* q, float* const* out) {
+    const int64_t nb = k / kQK;
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(12),
+                  m48 = _mm256_set1_epi8(48), m192 = _mm256_set1_epi8(static_cast<char>(0xC0));
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * w_row;
+      RowAcc a[R];
+      for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* blk = wr + i * kQ6K;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+        __m256i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+  #pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j) {
+          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j));
+          const __m256i l2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j + 32));
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * j));
+          __m256i qv[4];
+          qv[0] = _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+          qv[1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(h, m12), 2));
+          qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(h, m48));
+          qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15), _mm256_srli_epi16(_mm256_and_si256(h, m192), 2));
+  #pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t) {
+            const int c = 4 * j + t;
+            const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * c]), _mm_set1_epi16(scales[2 * c + 1]));
+  #pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              const __m256i p = _mm256_maddubs_epi16(qv[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + i * kQ8K + 4 + 32 * c)));
+              sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(sc, p));
+            }
           }
         }
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+        const float xd = f16(blk + 208);
+  #pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) q6_block(a[r], sumi[r], q[r] + i * kQ8K, xd, scales16);
       }
-      const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
-      const float xd = f16(blk + 208);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) q6_block(a[r], sumi[r], q[r] + i * kQ8K, xd, scales16);
+      for (int r = 0; r < R; ++r) out[r][n] = hsum8(a[r].acc);
     }
-    for (int r = 0; r < R; ++r) out[r][n] = hsum8(a[r].acc);
   }
-}
-
-// A product's rows through the kernels, in groups of at most kGroup.
-template <bool kQ5>
-void k4_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
-  group_rows<kGroup>(rs, [&](auto rows, const uint8_t* const* q, float* const* out) {
-    k4_group<kQ5, decltype(rows)::value>(k, w, w_row, n0, n1, q, out);
-  });
-}
-void q6_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
-  group_rows<kGroup>(rs, [&](auto rows, const uint8_t* const* q, float* const* out) {
-    q6_group<decltype(rows)::value>(k, w, w_row, n0, n1, q, out);
-  });
-}
+};
 
 bool cpu_has_avx2() {
   __builtin_cpu_init();
@@ -177,9 +169,9 @@ std::atomic<Isa> g_isa{env_isa()};
 
 MultiRowFn avx2_kernel(int qtype) {
   switch (qtype) {
-    case GGML_TYPE_Q4_K: return k4_rows<false>;
-    case GGML_TYPE_Q5_K: return k4_rows<true>;
-    case GGML_TYPE_Q6_K: return q6_rows;
+    case GGML_TYPE_Q4_K: return rows_of<kGroup, K4<false>>;
+    case GGML_TYPE_Q5_K: return rows_of<kGroup, K4<true>>;
+    case GGML_TYPE_Q6_K: return rows_of<kGroup, Q6>;
     default: return nullptr;
   }
 }

@@ -98,70 +98,73 @@ SHARPI_INLINE512 void q6_pair(PairAcc& a, __m512i s0, __m512i s1, const uint8_t*
 //
 // Chunk pair j (values 64j..64j+63): the low half holds the low nibbles of qs[32j..32j+31] (sub-block 2j),
 // the high half their high nibbles (sub-block 2j+1); Q5_K's fifth bit is bit 2j / 2j+1 of each hbits byte.
-template <bool kQ5, int R>
-SHARPI_AVX512 void k4_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                            const uint8_t* const* q, float* const* out) {
-  const int64_t nb = k / kQK;
-  const size_t bsz = kQ5 ? kQ5K : kQ4K;
-  const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), nibble = counts(0, 4);
-  const BsumPairs* pairs = bsum_pairs<R>(nb, q);
-  // Q4_K runs its rows' float steps in pairs (an odd last row alone); Q5_K's mins term is a scalar per row.
-  constexpr int P = kQ5 ? 0 : R / 2;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * w_row;
-    RowAcc a[R];
-    PairAcc pa[P > 0 ? P : 1];
-    for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
-    for (int p = 0; p < P; ++p) pa[p] = pair_acc_zero();
-    for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* blk = wr + i * bsz;
-      const __m128i sm = scale_min_k4(blk + 4);
-      // The 8 scales as int16, repeated in every 128-bit lane (for the byte shuffles below).
-      const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
-      const uint8_t* qs = blk + (kQ5 ? 48 : 16);
-      __m512i hbits = _mm512_setzero_si512();
-      if (kQ5) hbits = broadcast256(blk + 16);
-      __m512i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        __m512i qv = _mm512_and_si512(_mm512_srlv_epi16(broadcast256(qs + 32 * j), nibble), m4);
-        if (kQ5)
-          qv = _mm512_or_si512(qv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hbits, counts(2 * j, 2 * j + 1)), one), 4));
-        // Scale 2j over the low half's int16 lanes, 2j + 1 over the high half's.
-        const int16_t lo = static_cast<int16_t>((4 * j) | ((4 * j + 1) << 8));
-        const int16_t hi = static_cast<int16_t>((4 * j + 2) | ((4 * j + 3) << 8));
-        const __m512i sc = _mm512_shuffle_epi8(
-            scales, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(lo)), _mm256_set1_epi16(hi), 1));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512i p = _mm512_maddubs_epi16(qv, load512(q[r] + i * kQ8K + 4 + 64 * j));
-          sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
+template <bool kQ5>
+struct K4 {
+  template <int R>
+  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                  const uint8_t* const* q, float* const* out) {
+    const int64_t nb = k / kQK;
+    const size_t bsz = kQ5 ? kQ5K : kQ4K;
+    const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), nibble = counts(0, 4);
+    const BsumPairs* pairs = bsum_pairs<R>(nb, q);
+    // Q4_K runs its rows' float steps in pairs (an odd last row alone); Q5_K's mins term is a scalar per row.
+    constexpr int P = kQ5 ? 0 : R / 2;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * w_row;
+      RowAcc a[R];
+      PairAcc pa[P > 0 ? P : 1];
+      for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
+      for (int p = 0; p < P; ++p) pa[p] = pair_acc_zero();
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* blk = wr + i * bsz;
+        const __m128i sm = scale_min_k4(blk + 4);
+        // The 8 scales as int16, repeated in every 128-bit lane (for the byte shuffles below).
+        const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
+        const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+        __m512i hbits = _mm512_setzero_si512();
+        if (kQ5) hbits = broadcast256(blk + 16);
+        __m512i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+  #pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          __m512i qv = _mm512_and_si512(_mm512_srlv_epi16(broadcast256(qs + 32 * j), nibble), m4);
+          if (kQ5)
+            qv = _mm512_or_si512(qv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hbits, counts(2 * j, 2 * j + 1)), one), 4));
+          // Scale 2j over the low half's int16 lanes, 2j + 1 over the high half's.
+          const int16_t lo = static_cast<int16_t>((4 * j) | ((4 * j + 1) << 8));
+          const int16_t hi = static_cast<int16_t>((4 * j + 2) | ((4 * j + 3) << 8));
+          const __m512i sc = _mm512_shuffle_epi8(
+              scales, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(lo)), _mm256_set1_epi16(hi), 1));
+  #pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m512i p = _mm512_maddubs_epi16(qv, load512(q[r] + i * kQ8K + 4 + 64 * j));
+            sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
+          }
         }
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+        const K4Scales fs = k4_scales(blk);
+        if constexpr (P > 0) {
+          const __m512 xd2 = _mm512_castpd_ps(
+              _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(fs.xd)), _mm256_castps_pd(fs.xd), 1));
+          const __m256 nxdmin2 = _mm256_insertf128_ps(_mm256_castps128_ps256(fs.nxdmin), fs.nxdmin, 1);
+          const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
+  #pragma GCC unroll 4
+          for (int p = 0; p < P; ++p)
+            k4_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, nxdmin2,
+                    mins2, pairs + i * R + 2 * p);
+        }
+  #pragma GCC unroll 8
+        for (int r = 2 * P; r < R; ++r) k4_block<kQ5>(a[r], fold(sumi[r]), q[r] + i * kQ8K,
+                                                       fs, mins, pairs[i * R + r]);
       }
-      const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
-      const K4Scales fs = k4_scales(blk);
-      if constexpr (P > 0) {
-        const __m512 xd2 = _mm512_castpd_ps(
-            _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(fs.xd)), _mm256_castps_pd(fs.xd), 1));
-        const __m256 nxdmin2 = _mm256_insertf128_ps(_mm256_castps128_ps256(fs.nxdmin), fs.nxdmin, 1);
-        const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
-#pragma GCC unroll 4
-        for (int p = 0; p < P; ++p)
-          k4_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, nxdmin2,
-                  mins2, pairs + i * R + 2 * p);
+      for (int p = 0; p < P; ++p) {
+        out[2 * p][n] = k4_result<kQ5>(pair_row(pa[p], 0));
+        out[2 * p + 1][n] = k4_result<kQ5>(pair_row(pa[p], 1));
       }
-#pragma GCC unroll 8
-      for (int r = 2 * P; r < R; ++r) k4_block<kQ5>(a[r], fold(sumi[r]), q[r] + i * kQ8K,
-                                                     fs, mins, pairs[i * R + r]);
+      for (int r = 2 * P; r < R; ++r) out[r][n] = k4_result<kQ5>(a[r]);
     }
-    for (int p = 0; p < P; ++p) {
-      out[2 * p][n] = k4_result<kQ5>(pair_row(pa[p], 0));
-      out[2 * p + 1][n] = k4_result<kQ5>(pair_row(pa[p], 1));
-    }
-    for (int r = 2 * P; r < R; ++r) out[r][n] = k4_result<kQ5>(a[r]);
   }
-}
+};
 
 // ---- Q6_K ----------------------------------------------------------------------------------------
 //
@@ -169,84 +172,73 @@ SHARPI_AVX512 void k4_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n
 // nibbles of chunks 4j, 4j+1 (the first pair) and their high nibbles those of chunks 4j+2, 4j+3; qh[32j + l]
 // gives bits (2t, 2t+1) to value 128j + 32t + l. In chunk c, int16 lanes 0-7 use scale 2c, lanes 8-15 2c+1:
 // in a register of chunks (c, c+1) the four 128-bit lanes use scales 2c .. 2c+3.
-template <int R>
-SHARPI_AVX512 void q6_group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                            const uint8_t* const* q, float* const* out) {
-  const int64_t nb = k / kQK;
-  const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
-  alignas(64) static const int16_t kLaneOf[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-  const __m512i lanes = _mm512_load_si512(kLaneOf);  // each int16 lane's 128-bit lane
-  // Rows whose float steps run in pairs (an odd last row alone): from 4 rows, where pairs measured faster
-  // (one Zen 4 thread: 55 -> 55 and 60 -> 62 GMAC/s at 4 and 8 rows; 44 -> 42 at 2).
-  constexpr int P = R >= 4 ? R / 2 : 0;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * w_row;
-    RowAcc a[R];
-    PairAcc pa[P > 0 ? P : 1];
-    for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
-    for (int p = 0; p < P; ++p) pa[p] = pair_acc_zero();
-    for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* blk = wr + i * kQ6K;
-      const uint8_t* ql = blk;
-      const uint8_t* qh = blk + 128;
-      const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      const __m512i scales = _mm512_castsi256_si512(scales16);
-      __m512i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-      for (int j = 0; j < 2; ++j) {
-        const __m512i l = load512(ql + 64 * j);
-        const __m512i h = broadcast256(qh + 32 * j);
-        __m512i qv[2];
-        qv[0] = _mm512_or_si512(_mm512_and_si512(l, m15),
-                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(0, 2)), m3), 4));
-        qv[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m15),
-                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(4, 6)), m3), 4));
-#pragma GCC unroll 2
-        for (int t = 0; t < 2; ++t) {
-          const int c = 4 * j + 2 * t;  // the pair's first chunk
-          // int16 lane e takes scale 2c + (its 128-bit lane): vpermw with index 2c + lane.
-          const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(2 * c)), lanes);
-          const __m512i sc = _mm512_permutexvar_epi16(idx, scales);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const __m512i p = _mm512_maddubs_epi16(qv[t], load512(q[r] + i * kQ8K + 4 + 32 * c));
-            sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
+struct Q6 {
+  template <int R>
+  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                  const uint8_t* const* q, float* const* out) {
+    const int64_t nb = k / kQK;
+    const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    alignas(64) static const int16_t kLaneOf[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    const __m512i lanes = _mm512_load_si512(kLaneOf);  // each int16 lane's 128-bit lane
+    // Rows whose float steps run in pairs (an odd last row alone): from 4 rows, where pairs measured faster
+    // (one Zen 4 thread: 55 -> 55 and 60 -> 62 GMAC/s at 4 and 8 rows; 44 -> 42 at 2).
+    constexpr int P = R >= 4 ? R / 2 : 0;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * w_row;
+      RowAcc a[R];
+      PairAcc pa[P > 0 ? P : 1];
+      for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
+      for (int p = 0; p < P; ++p) pa[p] = pair_acc_zero();
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* blk = wr + i * kQ6K;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+        const __m512i scales = _mm512_castsi256_si512(scales16);
+        __m512i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+  #pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j) {
+          const __m512i l = load512(ql + 64 * j);
+          const __m512i h = broadcast256(qh + 32 * j);
+          __m512i qv[2];
+          qv[0] = _mm512_or_si512(_mm512_and_si512(l, m15),
+                                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(0, 2)), m3), 4));
+          qv[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m15),
+                                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(4, 6)), m3), 4));
+  #pragma GCC unroll 2
+          for (int t = 0; t < 2; ++t) {
+            const int c = 4 * j + 2 * t;  // the pair's first chunk
+            // int16 lane e takes scale 2c + (its 128-bit lane): vpermw with index 2c + lane.
+            const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(2 * c)), lanes);
+            const __m512i sc = _mm512_permutexvar_epi16(idx, scales);
+  #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m512i p = _mm512_maddubs_epi16(qv[t], load512(q[r] + i * kQ8K + 4 + 32 * c));
+              sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
+            }
           }
         }
+        const float xd = f16(blk + 208);
+        if constexpr (P > 0) {
+          const __m512 xd2 = _mm512_set1_ps(xd);
+          const __m512i scales2 = _mm512_inserti64x4(scales, scales16, 1);
+  #pragma GCC unroll 4
+          for (int p = 0; p < P; ++p)
+            q6_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, scales2);
+        }
+  #pragma GCC unroll 8
+        for (int r = 2 * P; r < R; ++r) q6_block(a[r], fold(sumi[r]), q[r] + i * kQ8K, xd, scales16);
       }
-      const float xd = f16(blk + 208);
-      if constexpr (P > 0) {
-        const __m512 xd2 = _mm512_set1_ps(xd);
-        const __m512i scales2 = _mm512_inserti64x4(scales, scales16, 1);
-#pragma GCC unroll 4
-        for (int p = 0; p < P; ++p)
-          q6_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, scales2);
+      for (int p = 0; p < P; ++p) {
+        out[2 * p][n] = hsum8(pair_row(pa[p], 0).acc);
+        out[2 * p + 1][n] = hsum8(pair_row(pa[p], 1).acc);
       }
-#pragma GCC unroll 8
-      for (int r = 2 * P; r < R; ++r) q6_block(a[r], fold(sumi[r]), q[r] + i * kQ8K, xd, scales16);
+      for (int r = 2 * P; r < R; ++r) out[r][n] = hsum8(a[r].acc);
     }
-    for (int p = 0; p < P; ++p) {
-      out[2 * p][n] = hsum8(pair_row(pa[p], 0).acc);
-      out[2 * p + 1][n] = hsum8(pair_row(pa[p], 1).acc);
-    }
-    for (int r = 2 * P; r < R; ++r) out[r][n] = hsum8(a[r].acc);
   }
-}
-
-// A product's rows through the kernels, in groups of at most kGroup.
-template <bool kQ5>
-void k4_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
-  group_rows<kGroup>(rs, [&](auto rows, const uint8_t* const* q, float* const* out) {
-    k4_group<kQ5, decltype(rows)::value>(k, w, w_row, n0, n1, q, out);
-  });
-}
-void q6_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
-  group_rows<kGroup>(rs, [&](auto rows, const uint8_t* const* q, float* const* out) {
-    q6_group<decltype(rows)::value>(k, w, w_row, n0, n1, q, out);
-  });
-}
+};
 
 }  // namespace
 
@@ -261,14 +253,14 @@ bool cpu_has_avx512_kernels() {
 // (one group) the AVX2 kernel measured faster (same bits either way).
 void q5_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
   if (rs.m <= 4) avx2_kernel(GGML_TYPE_Q5_K)(k, w, w_row, n0, n1, rs);
-  else k4_rows<true>(k, w, w_row, n0, n1, rs);
+  else rows_of<kGroup, K4<true>>(k, w, w_row, n0, n1, rs);
 }
 
 MultiRowFn avx512_kernel(int qtype) {
   switch (qtype) {
-    case GGML_TYPE_Q4_K: return k4_rows<false>;
+    case GGML_TYPE_Q4_K: return rows_of<kGroup, K4<false>>;
     case GGML_TYPE_Q5_K: return q5_rows;
-    case GGML_TYPE_Q6_K: return q6_rows;
+    case GGML_TYPE_Q6_K: return rows_of<kGroup, Q6>;
     default: return nullptr;
   }
 }

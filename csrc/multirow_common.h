@@ -181,5 +181,14 @@ void group_rows(const RowSet& rs, const Fn& fn) {
   }
 }
 
+// A kernel set's MultiRowFn: `Kernels::group<R>(k, w, w_row, n0, n1, q, out)` computes R activation rows
+// (q, out) against weight rows [n0, n1); rows_of runs any number of rows through it in groups of at most kMax.
+template <int kMax, class Kernels>
+void rows_of(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const RowSet& rs) {
+  group_rows<kMax>(rs, [&](auto rows, const uint8_t* const* q, float* const* out) {
+    Kernels::template group<decltype(rows)::value>(k, w, w_row, n0, n1, q, out);
+  });
+}
+
 }  // namespace mr
 }  // namespace sharpi
