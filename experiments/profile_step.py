@@ -9,6 +9,13 @@ costs more than its bytes.
 
     python -m experiments.profile_step --model=/work/twin/twin-research-40L-Q4_K_M.gguf --rows=1
 
+`--generate=N` profiles whole device-loop generations of N tokens instead (engine.generate, loop="device";
+MTP off or the chain with --draft_tokens / --draft_vocab / --verify_head): everything a pass costs in the
+loop (its draft, its commit, the snapshot writes), per decode step or per verify pass, so MTP off and a
+chain compare op by op:
+
+    python -m experiments.profile_step --model=TWIN --generate=24 --speculative=mtp --draft_vocab=2048
+
 The trace's op events come from XLA's CPU thunk executor (one per executed op, named by the HLO
 instruction); an ffi_call is named by its target through the compiled module's HLO text.
 """
@@ -19,6 +26,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import re
 import resource
 import tempfile
@@ -44,7 +52,14 @@ flags.DEFINE_integer("rows", 1, "1: profile decode steps; w >= 2: trunk verify p
                      "as the MTP loop runs them (commit_verify).")
 flags.DEFINE_integer("prefill", 0, "N > 0: profile prefills of N prompt tokens (one bucketed chunk, the "
                      "chunked GDN form) instead of steps; --rows is then ignored.")
-flags.DEFINE_integer("steps", 5, "Profiled steps (after 3 warm ones).")
+flags.DEFINE_integer("steps", 5, "Profiled steps (after 3 warm ones); with --generate, profiled generations "
+                     "(after one warm one).")
+flags.DEFINE_integer("generate", 0, "N > 0: profile whole device-loop generations of N tokens from the "
+                     "prompt, per decode step or verify pass, instead of single steps.")
+flags.DEFINE_enum("speculative", "off", ["off", "mtp"], "With --generate: MTP off or the MTP chain.")
+flags.DEFINE_integer("draft_tokens", 1, "With --generate --speculative=mtp: the chain's drafts per pass.")
+flags.DEFINE_integer("draft_vocab", 0, "With --generate --speculative=mtp: the draft vocabulary (0: full).")
+flags.DEFINE_enum("verify_head", "auto", ["auto", "lazy", "full"], "RunConfig.verify_head of the engine.")
 flags.DEFINE_integer("max_context", 256, "KV cache positions.")
 flags.DEFINE_integer("top", 25, "Rows of the op table.")
 flags.DEFINE_string("json_out", None, "Also write the table as JSON here.")
@@ -112,11 +127,19 @@ def main(argv) -> int:
     if FLAGS.prompt_tokens + FLAGS.rows > FLAGS.max_context:
         return fail(f"--prompt_tokens + --rows ({FLAGS.prompt_tokens + FLAGS.rows}) exceed --max_context "
                     f"({FLAGS.max_context})")
+    if FLAGS.generate:
+        # The loop's ffi_calls are named from its compiled HLO, which only XLA's dump gives for a loop
+        # jitted inside the engine: set before the backend starts (the first computation, in load).
+        dump = tempfile.mkdtemp(prefix="profile_step_hlo_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
+                                   "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=^jit_run$").strip()
     try:
         path = resolve_model(FLAGS.model)
-        engine = sj.load(path, max_context=FLAGS.max_context)
+        engine = sj.load(path, max_context=FLAGS.max_context, verify_head=FLAGS.verify_head)
     except (ValueError, OSError) as e:
         return fail(e)
+    if FLAGS.generate:
+        return profile_generation(engine, path, dump)
     rt = engine.runtime
     ids = list(range(100, 100 + FLAGS.prompt_tokens))
     _, _, state = rt.prefill(rt.new_state(), ids)
@@ -201,6 +224,74 @@ def main(argv) -> int:
         Path(FLAGS.json_out).write_text(json.dumps({"model": str(path), "rows": w, "prefill": bool(FLAGS.prefill),
                                                     "wall_ms": walls, "ops_ms": total, "minor_faults": faults, "table": table},
                                                    indent=1))
+    return 0
+
+
+def profile_generation(engine, path: Path, dump: str) -> int:
+    """--generate: the self time of every op of the device loop over whole generations, per step / pass."""
+    ids = list(range(100, 100 + FLAGS.prompt_tokens))
+    n = FLAGS.generate
+    if FLAGS.prompt_tokens + n > FLAGS.max_context:
+        return fail(f"--prompt_tokens + --generate ({FLAGS.prompt_tokens + n}) exceed --max_context "
+                    f"({FLAGS.max_context})")
+    kw = dict(loop="device", max_new_tokens=n, stop_on_eos=False)
+    if FLAGS.speculative == "mtp":
+        kw.update(speculative="mtp", draft_tokens=FLAGS.draft_tokens, verify="batched",
+                  draft_vocab=FLAGS.draft_vocab or None)
+    try:
+        engine.generate(ids, **kw)  # compiles; the next ones run warm
+    except ValueError as e:
+        return fail(e)
+    ffi: dict[str, str] = {}
+    for f in glob.glob(f"{dump}/*jit_run*after_optimizations.txt"):
+        ffi.update(ffi_names(Path(f).read_text()))
+    if not ffi:
+        return fail(f"XLA wrote no HLO of the loop to {dump} (XLA_FLAGS must take effect before JAX starts)")
+    walls, passes, ops = [], 0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        for _ in range(FLAGS.steps):
+            t0 = time.perf_counter()
+            out = engine.generate(ids, **kw)
+            walls.append(1e3 * (time.perf_counter() - t0))
+            spec = out.stats.speculation
+            # MTP off: the prefill gives the first token, the loop's steps the others
+            passes += spec.verify_passes if spec else len(out.tokens) - 1
+        jax.profiler.stop_trace()
+        events = json.load(gzip.open(sorted(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))[-1]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {}) and "dur" in e
+           and e["args"].get("hlo_module") == "jit_run"]
+    per_kind = collections.defaultdict(lambda: [0, 0.0])
+    for name, t in self_times(ops):
+        k = op_kind(name, ffi)
+        per_kind[k][0] += 1
+        per_kind[k][1] += t
+    unit, units = ("verify pass", "verify passes") if FLAGS.speculative == "mtp" else ("decode step", "decode steps")
+    total = sum(v[1] for v in per_kind.values()) / passes / 1e3
+    sp = spread(walls)
+    what = ("MTP off" if FLAGS.speculative == "off" else
+            f"MTP chain k={FLAGS.draft_tokens}, draft_vocab {FLAGS.draft_vocab or 'full'}, verify head "
+            f"{'lazy' if engine.runtime.lazy_head else 'full'}")
+    print(f"{path.name}: device-loop generations of {n} tokens, {what}: median wall {sp['median']:.1f} ms "
+          f"[{sp['min']:.1f}-{sp['max']:.1f}] over {FLAGS.steps} (profiled); {passes / FLAGS.steps:.1f} "
+          f"{units} each, {(n - 1) * FLAGS.steps / passes:.2f} tokens per {unit} (the prefill's token aside)")
+    print(f"the loop's ops per {unit}: self time {total:.2f} ms")
+    print(f"{'ms/' + unit.split()[-1]:>8} {'calls':>6}  op")
+    rows = sorted(per_kind.items(), key=lambda kv: -kv[1][1])
+    table = []
+    for k, (c, t) in rows[:FLAGS.top]:
+        ms = t / passes / 1e3
+        table.append({"op": k, "ms": ms, "calls": c / passes})
+        print(f"{ms:8.2f} {c / passes:6.1f}  {k}")
+    rest = sum(v[1] for _, v in rows[FLAGS.top:]) / passes / 1e3
+    if len(rows) > FLAGS.top:
+        print(f"{rest:8.2f} {'':>6}  ({len(rows) - FLAGS.top} more kinds)")
+    if FLAGS.json_out:
+        Path(FLAGS.json_out).write_text(json.dumps({
+            "model": str(path), "generate": n, "speculative": FLAGS.speculative, "draft_tokens": FLAGS.draft_tokens,
+            "draft_vocab": FLAGS.draft_vocab, "lazy_head": engine.runtime.lazy_head, "wall_ms": walls,
+            "passes": passes / FLAGS.steps, "unit": unit, "ops_ms": total, "table": table}, indent=1))
     return 0
 
 

@@ -135,6 +135,10 @@ COMMANDS = {
     "test_profile_step_prefill": ("profile_step", lambda t: [
         "--prefill=32", "--steps=2", "--prompt_tokens=8", "--max_context=64", f"--json_out={t / 'prof.json'}"]),
     "test_profile_step_prefill_of_two_chunks": ("profile_step", lambda t: ["--prefill=40"]),
+    "test_profile_step_generation": ("profile_step", lambda t: [
+        "--generate=10", "--speculative=mtp", "--draft_tokens=2", "--steps=2", "--prompt_tokens=8",
+        "--max_context=64", f"--json_out={t / 'prof.json'}"]),
+    "test_profile_step_generation_past_the_context": ("profile_step", lambda t: ["--generate=250"]),
     "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
         "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
@@ -359,6 +363,25 @@ def test_profile_step_prefill_of_two_chunks(runs, request):
     _, res = result(runs, request)
     assert res.returncode == 2 and res.stdout == ""
     assert own_lines(res.stderr) == ["error: --prefill=40 is 2 chunks (buckets (32, 128, 256)); pick a bucket size"]
+
+
+def test_profile_step_generation(runs, request):
+    """Whole device-loop generations of the chain: per verify pass, its 3-row trunk products and the draft's
+    one-row ones named by their shapes, the passes' count and tokens per pass."""
+    tmp, res = result(runs, request)
+    assert "device-loop generations of 10 tokens, MTP chain k=2" in ok(res).stdout
+    rec = json.loads((tmp / "prof.json").read_text())
+    assert rec["unit"] == "verify pass" and len(rec["wall_ms"]) == 2 and 0 < rec["ops_ms"]
+    assert 9 / 3 <= rec["passes"] <= 9  # the loop's 9 tokens (the prefill gives the first), 1..3 a pass
+    ops = [r["op"] for r in rec["table"]]
+    assert any(op.startswith("ggml matmul [3 x ") for op in ops), ops
+    assert any(op.startswith("ggml experts [3 x ") for op in ops), ops
+
+
+def test_profile_step_generation_past_the_context(runs, request):
+    _, res = result(runs, request)
+    assert res.returncode == 2 and res.stdout == ""
+    assert own_lines(res.stderr) == ["error: --prompt_tokens + --generate (282) exceed --max_context (256)"]
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
