@@ -63,7 +63,7 @@ struct K4 {
         if (kQ5) hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
         __m256i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
           __m256i ql = _mm256_and_si256(bits, m4), qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
@@ -72,7 +72,7 @@ struct K4 {
             qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
           }
           const __m256i sl = spread16(scales, 2 * j), sh = spread16(scales, 2 * j + 1);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             const uint8_t* y = q[r] + i * kQ8K + 4 + 64 * j;
             const __m256i pl = _mm256_maddubs_epi16(ql, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)));
@@ -82,7 +82,7 @@ struct K4 {
         }
         const __m128i mins = _mm256_extracti128_si256(sm, 1);
         const K4Scales fs = k4_scales(blk);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) k4_block<kQ5>(a[r], sumi[r], q[r] + i * kQ8K,
                                                    fs, mins, pairs[i * R + r]);
       }
@@ -113,7 +113,7 @@ struct Q6 {
         const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
         __m256i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
         for (int j = 0; j < 2; ++j) {
           const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j));
           const __m256i l2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * j + 32));
@@ -123,11 +123,11 @@ struct Q6 {
           qv[1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(h, m12), 2));
           qv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(h, m48));
           qv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15), _mm256_srli_epi16(_mm256_and_si256(h, m192), 2));
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
           for (int t = 0; t < 4; ++t) {
             const int c = 4 * j + t;
             const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * c]), _mm_set1_epi16(scales[2 * c + 1]));
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
               const __m256i p = _mm256_maddubs_epi16(qv[t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + i * kQ8K + 4 + 32 * c)));
               sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(sc, p));
@@ -136,7 +136,7 @@ struct Q6 {
         }
         const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
         const float xd = f16(blk + 208);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) q6_block(a[r], sumi[r], q[r] + i * kQ8K, xd, scales16);
       }
       for (int r = 0; r < R; ++r) out[r][n] = hsum8(a[r].acc);

@@ -125,7 +125,7 @@ struct K4 {
         if (kQ5) hbits = broadcast256(blk + 16);
         __m512i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           __m512i qv = _mm512_and_si512(_mm512_srlv_epi16(broadcast256(qs + 32 * j), nibble), m4);
           if (kQ5)
@@ -135,7 +135,7 @@ struct K4 {
           const int16_t hi = static_cast<int16_t>((4 * j + 2) | ((4 * j + 3) << 8));
           const __m512i sc = _mm512_shuffle_epi8(
               scales, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(lo)), _mm256_set1_epi16(hi), 1));
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m512i p = _mm512_maddubs_epi16(qv, load512(q[r] + i * kQ8K + 4 + 64 * j));
             sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
@@ -148,12 +148,12 @@ struct K4 {
               _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(fs.xd)), _mm256_castps_pd(fs.xd), 1));
           const __m256 nxdmin2 = _mm256_insertf128_ps(_mm256_castps128_ps256(fs.nxdmin), fs.nxdmin, 1);
           const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
           for (int p = 0; p < P; ++p)
             k4_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, nxdmin2,
                     mins2, pairs + i * R + 2 * p);
         }
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int r = 2 * P; r < R; ++r) k4_block<kQ5>(a[r], fold(sumi[r]), q[r] + i * kQ8K,
                                                        fs, mins, pairs[i * R + r]);
       }
@@ -198,7 +198,7 @@ struct Q6 {
         const __m512i scales = _mm512_castsi256_si512(scales16);
         __m512i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
         for (int j = 0; j < 2; ++j) {
           const __m512i l = load512(ql + 64 * j);
           const __m512i h = broadcast256(qh + 32 * j);
@@ -207,13 +207,13 @@ struct Q6 {
                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(0, 2)), m3), 4));
           qv[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m15),
                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(4, 6)), m3), 4));
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
           for (int t = 0; t < 2; ++t) {
             const int c = 4 * j + 2 * t;  // the pair's first chunk
             // int16 lane e takes scale 2c + (its 128-bit lane): vpermw with index 2c + lane.
             const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(2 * c)), lanes);
             const __m512i sc = _mm512_permutexvar_epi16(idx, scales);
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
               const __m512i p = _mm512_maddubs_epi16(qv[t], load512(q[r] + i * kQ8K + 4 + 32 * c));
               sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
@@ -224,11 +224,11 @@ struct Q6 {
         if constexpr (P > 0) {
           const __m512 xd2 = _mm512_set1_ps(xd);
           const __m512i scales2 = _mm512_inserti64x4(scales, scales16, 1);
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
           for (int p = 0; p < P; ++p)
             q6_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, scales2);
         }
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int r = 2 * P; r < R; ++r) q6_block(a[r], fold(sumi[r]), q[r] + i * kQ8K, xd, scales16);
       }
       for (int p = 0; p < P; ++p) {

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -127,6 +128,11 @@ def main(argv) -> int:
     if FLAGS.prompt_tokens + FLAGS.rows > FLAGS.max_context:
         return fail(f"--prompt_tokens + --rows ({FLAGS.prompt_tokens + FLAGS.rows}) exceed --max_context "
                     f"({FLAGS.max_context})")
+    if FLAGS.generate < 0 or FLAGS.generate == 1:
+        return fail("--generate must be 0 (single steps) or at least 2 tokens")
+    if FLAGS.generate and FLAGS.prompt_tokens + FLAGS.generate > FLAGS.max_context:
+        return fail(f"--prompt_tokens + --generate ({FLAGS.prompt_tokens + FLAGS.generate}) exceed --max_context "
+                    f"({FLAGS.max_context})")
     if FLAGS.generate:
         # The loop's ffi_calls are named from its compiled HLO, which only XLA's dump gives for a loop
         # jitted inside the engine: set before the backend starts (the first computation, in load).
@@ -139,7 +145,10 @@ def main(argv) -> int:
     except (ValueError, OSError) as e:
         return fail(e)
     if FLAGS.generate:
-        return profile_generation(engine, path, dump)
+        try:
+            return profile_generation(engine, path, dump)
+        finally:
+            shutil.rmtree(dump, ignore_errors=True)
     rt = engine.runtime
     ids = list(range(100, 100 + FLAGS.prompt_tokens))
     _, _, state = rt.prefill(rt.new_state(), ids)
@@ -231,9 +240,6 @@ def profile_generation(engine, path: Path, dump: str) -> int:
     """--generate: the self time of every op of the device loop over whole generations, per step / pass."""
     ids = list(range(100, 100 + FLAGS.prompt_tokens))
     n = FLAGS.generate
-    if FLAGS.prompt_tokens + n > FLAGS.max_context:
-        return fail(f"--prompt_tokens + --generate ({FLAGS.prompt_tokens + n}) exceed --max_context "
-                    f"({FLAGS.max_context})")
     kw = dict(loop="device", max_new_tokens=n, stop_on_eos=False)
     if FLAGS.speculative == "mtp":
         kw.update(speculative="mtp", draft_tokens=FLAGS.draft_tokens, verify="batched",
@@ -247,7 +253,7 @@ def profile_generation(engine, path: Path, dump: str) -> int:
         ffi.update(ffi_names(Path(f).read_text()))
     if not ffi:
         return fail(f"XLA wrote no HLO of the loop to {dump} (XLA_FLAGS must take effect before JAX starts)")
-    walls, passes, ops = [], 0, []
+    walls, passes = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
         for _ in range(FLAGS.steps):

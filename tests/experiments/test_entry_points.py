@@ -139,6 +139,7 @@ COMMANDS = {
         "--generate=10", "--speculative=mtp", "--draft_tokens=2", "--steps=2", "--prompt_tokens=8",
         "--max_context=64", f"--json_out={t / 'prof.json'}"]),
     "test_profile_step_generation_past_the_context": ("profile_step", lambda t: ["--generate=250"]),
+    "test_profile_step_generation_of_one_token": ("profile_step", lambda t: ["--generate=1"]),
     "test_behaviour_hashes_flags_a_changed_hash": ("behaviour_hashes", lambda t: [
         "--only=logits", "--files=tiny-qwen35moe-F32", f"--out={t / 'after.json'}", f"--compare={_before(t)}"]),
 }
@@ -382,6 +383,13 @@ def test_profile_step_generation_past_the_context(runs, request):
     _, res = result(runs, request)
     assert res.returncode == 2 and res.stdout == ""
     assert own_lines(res.stderr) == ["error: --prompt_tokens + --generate (282) exceed --max_context (256)"]
+
+
+def test_profile_step_generation_of_one_token(runs, request):
+    """One token is the prefill's alone (no loop step to profile): a one-line error, exit 2."""
+    _, res = result(runs, request)
+    assert res.returncode == 2 and res.stdout == ""
+    assert own_lines(res.stderr) == ["error: --generate must be 0 (single steps) or at least 2 tokens"]
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line(runs, request):
