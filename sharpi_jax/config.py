@@ -57,8 +57,10 @@ class RunConfig:
     verify_head: which LM-head rows a speculative pass of the device loop computes (one sequence; a
         batch computes every row): "full" (every verify row, one product), "lazy" (one row at a time,
         only the rows the acceptance walk reaches: the certain row, each accepted draft's row; a tree's
-        walked path) or "auto" (lazy where the head runs on ggml's CPU kernels, whose rows cost their
-        arithmetic even when batched; full elsewhere, e.g. on a GPU, where extra rows are nearly free).
+        walked path) or "auto" (lazy where the head runs on ggml's CPU kernels; full elsewhere, e.g. on a
+        GPU, where extra rows are nearly free). Lazy on ggml was measured on an AVX2 machine whose head
+        rows cost their arithmetic even in one product; on an AVX-512 one, 2-4 head rows stream at
+        1.0-1.25x one row's time and "full" ran a chain 1.01-1.13x faster (docs/speculation.md).
         Same tokens and stats: each head row has the same bits alone or in a product.
     """
 

@@ -197,8 +197,9 @@ class Runtime:
         self.prefill_buckets = self.run.prefill_buckets
         # params: the model's arrays, flat; cache: expert residency state, replaced after every step
         self.graph, self.params, self.cache = split(model, ExpertCache)
-        # The device loop's verify head (`RunConfig.verify_head`): lazy where ggml computes the head, whose
-        # rows cost their arithmetic even in one product (CPU); a GPU reads the head once for all rows.
+        # The device loop's verify head (`RunConfig.verify_head`): lazy where ggml computes the head (CPU,
+        # chosen where its rows cost their arithmetic even in one product); a GPU reads the head once for
+        # all rows.
         on_ggml = all(p.kernels == "ggml" for p in model.lm_head.parts())
         self.lazy_head = self.run.verify_head == "lazy" or (self.run.verify_head == "auto" and on_ggml)
         self._fns = _step_fns(self.graph)
