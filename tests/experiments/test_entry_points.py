@@ -367,8 +367,8 @@ def test_profile_step_prefill_of_two_chunks(runs, request):
 
 
 def test_profile_step_generation(runs, request):
-    """Whole device-loop generations of the chain: per verify pass, its 3-row trunk products and the draft's
-    one-row ones named by their shapes, the passes' count and tokens per pass."""
+    """Whole device-loop generations of the chain (k = 2): per verify pass, its 3-row trunk products and
+    expert op named by their shapes, and the passes' count."""
     tmp, res = result(runs, request)
     assert "device-loop generations of 10 tokens, MTP chain k=2" in ok(res).stdout
     rec = json.loads((tmp / "prof.json").read_text())
