@@ -118,6 +118,21 @@ def self_times(events: list[dict]) -> list[tuple[str, float]]:
     return out
 
 
+def op_times(trace_dir: str, in_module, ffi: dict[str, str]) -> list[tuple[str, tuple[int, float]]]:
+    """The profiler trace written to trace_dir, as (op group, (calls, self time in us)), largest first: the
+    op events of the HLO modules whose name in_module(name) accepts, grouped by `op_kind`."""
+    events = json.load(gzip.open(sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
+           and "dur" in e and in_module(e["args"].get("hlo_module", ""))]
+    per_kind = collections.defaultdict(lambda: [0, 0.0])
+    for name, t in self_times(ops):
+        k = op_kind(name, ffi)
+        per_kind[k][0] += 1
+        per_kind[k][1] += t
+    return sorted(((k, (c, t)) for k, (c, t) in per_kind.items()), key=lambda kv: -kv[1][1])
+
+
 @reports_bad_input
 def main(argv) -> int:
     del argv
@@ -197,28 +212,18 @@ def main(argv) -> int:
             walls.append(1e3 * (time.perf_counter() - t0))
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         jax.profiler.stop_trace()
-        trace = sorted(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))[-1]
-        events = json.load(gzip.open(trace))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
-           and "dur" in e and module in e["args"].get("hlo_module", "")]
-    per_kind = collections.defaultdict(lambda: [0, 0.0])
-    for name, t in self_times(ops):
-        k = op_kind(name, ffi)
-        per_kind[k][0] += 1
-        per_kind[k][1] += t
+        rows = op_times(tmp, lambda m: module in m, ffi)
     n = FLAGS.steps
     sp = spread(walls)
     wall = sp["median"]
-    total = sum(v[1] for v in per_kind.values()) / n / 1e3
-    rows = sorted(per_kind.items(), key=lambda kv: -kv[1][1])
+    total = sum(t for _, (_, t) in rows) / n / 1e3
     what = (f"prefill of {w} rows" if FLAGS.prefill else "decode step" if w == 1 else f"verify pass of {w} rows")
     print(f"{path.name}: {what}, median wall {wall:.2f} ms "
           f"[{sp['min']:.2f}-{sp['max']:.2f}] over {n} steps (profiled)")
     faults = (r1.ru_minflt - r0.ru_minflt) / n
     print(f"process per step: {faults:.0f} minor page faults (fresh pages of new buffers), "
           f"{1e3 * (r1.ru_stime - r0.ru_stime) / n:.1f} ms system CPU, {1e3 * (r1.ru_utime - r0.ru_utime) / n:.1f} ms user CPU")
-    print(f"ops executed per step: {sum(v[0] for v in per_kind.values()) / n:.0f}; their self time "
+    print(f"ops executed per step: {sum(c for _, (c, _) in rows) / n:.0f}; their self time "
           f"{total:.2f} ms; wall less that: {wall - total:.2f} ms")
     print(f"{'ms/step':>8} {'%wall':>6} {'calls':>6}  op")
     table = []
@@ -264,17 +269,9 @@ def profile_generation(engine, path: Path, dump: str) -> int:
             # MTP off: the prefill gives the first token, the loop's steps the others
             passes += spec.verify_passes if spec else len(out.tokens) - 1
         jax.profiler.stop_trace()
-        events = json.load(gzip.open(sorted(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))[-1]))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {}) and "dur" in e
-           and e["args"].get("hlo_module") == "jit_run"]
-    per_kind = collections.defaultdict(lambda: [0, 0.0])
-    for name, t in self_times(ops):
-        k = op_kind(name, ffi)
-        per_kind[k][0] += 1
-        per_kind[k][1] += t
+        rows = op_times(tmp, lambda m: m == "jit_run", ffi)
     unit, units = ("verify pass", "verify passes") if FLAGS.speculative == "mtp" else ("decode step", "decode steps")
-    total = sum(v[1] for v in per_kind.values()) / passes / 1e3
+    total = sum(t for _, (_, t) in rows) / passes / 1e3
     sp = spread(walls)
     what = ("MTP off" if FLAGS.speculative == "off" else
             f"MTP chain k={FLAGS.draft_tokens}, draft_vocab {FLAGS.draft_vocab or 'full'}, verify head "
@@ -284,7 +281,6 @@ def profile_generation(engine, path: Path, dump: str) -> int:
           f"{units} each, {(n - 1) * FLAGS.steps / passes:.2f} tokens per {unit} (the prefill's token aside)")
     print(f"the loop's ops per {unit}: self time {total:.2f} ms")
     print(f"{'ms/' + unit.split()[-1]:>8} {'calls':>6}  op")
-    rows = sorted(per_kind.items(), key=lambda kv: -kv[1][1])
     table = []
     for k, (c, t) in rows[:FLAGS.top]:
         ms = t / passes / 1e3
