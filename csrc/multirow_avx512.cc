@@ -73,25 +73,45 @@ SHARPI_INLINE512 RowAcc pair_row(const PairAcc& a, int half) {
                 _mm256_extractf128_ps(a.accm, 1), 0.0f};
 }
 
-// k4_block (Q4_K) for two rows: y0 / y1 their Q8_K blocks, pr their bsum pairs (side by side); xd2 / nxdmin2
-// the weight block's d and -dmin broadcast, mins2 its mins in both 128-bit halves.
-SHARPI_INLINE512 void k4_pair(PairAcc& a, __m512i s0, __m512i s1, const uint8_t* y0, const uint8_t* y1, __m512 xd2,
-                              __m256 nxdmin2, __m256i mins2, const BsumPairs* pr) {
-  const float yd0 = q8k_d(y0), yd1 = q8k_d(y1);
+// Each pair's activation block scales, [yd0 x8 | yd1 x8] and [yd0 x4 | yd1 x4], for every block: they depend
+// on the activation only, so a kernel builds them once per call (a tile of weight rows) instead of once per
+// weight block (two loads, two broadcasts and an insert each; 4-5% of a 2-4 row Q4_K product in cache).
+// The buffer is the calling thread's, reused by its next call.
+struct alignas(64) PairScales {
+  __m512 d8;
+  __m256 d4;
+};
+
+template <int R>
+SHARPI_INLINE512 const PairScales* pair_scales(int64_t nb, const uint8_t* const* q) {
+  constexpr int P = R / 2;
+  thread_local std::vector<PairScales> buf;
+  buf.resize(static_cast<size_t>(P * nb));
+  for (int64_t i = 0; i < nb; ++i)
+    for (int p = 0; p < P; ++p) {
+      const float yd0 = q8k_d(q[2 * p] + i * kQ8K), yd1 = q8k_d(q[2 * p + 1] + i * kQ8K);
+      buf[i * P + p] = PairScales{two8(yd0, yd1), two4(yd0, yd1)};
+    }
+  return buf.data();
+}
+
+// k4_block (Q4_K) for two rows: yd their block scales, pr their bsum pairs (side by side); xd2 / nxdmin2 the
+// weight block's d and -dmin broadcast, mins2 its mins in both 128-bit halves.
+SHARPI_INLINE512 void k4_pair(PairAcc& a, __m512i s0, __m512i s1, const PairScales& yd, __m512 xd2, __m256 nxdmin2,
+                              __m256i mins2, const BsumPairs* pr) {
   const __m256i prod = _mm256_madd_epi16(mins2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pr)));
-  a.accm = _mm256_fmadd_ps(_mm256_mul_ps(two4(yd0, yd1), nxdmin2), _mm256_cvtepi32_ps(prod), a.accm);
-  a.acc = _mm512_fmadd_ps(_mm512_mul_ps(two8(yd0, yd1), xd2), _mm512_cvtepi32_ps(fold2(s0, s1)), a.acc);
+  a.accm = _mm256_fmadd_ps(_mm256_mul_ps(yd.d4, nxdmin2), _mm256_cvtepi32_ps(prod), a.accm);
+  a.acc = _mm512_fmadd_ps(_mm512_mul_ps(yd.d8, xd2), _mm512_cvtepi32_ps(fold2(s0, s1)), a.acc);
 }
 
 // q6_block for two rows: scales2 the block's 16 scales (int16) in both 256-bit halves, xd2 its d broadcast.
-SHARPI_INLINE512 void q6_pair(PairAcc& a, __m512i s0, __m512i s1, const uint8_t* y0, const uint8_t* y1, __m512 xd2,
-                              __m512i scales2) {
+SHARPI_INLINE512 void q6_pair(PairAcc& a, __m512i s0, __m512i s1, const uint8_t* y0, const uint8_t* y1,
+                              const PairScales& yd, __m512 xd2, __m512i scales2) {
   const __m512i bs = _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y0 + 260))),
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y1 + 260)), 1);
   const __m512i sub = _mm512_slli_epi32(_mm512_madd_epi16(bs, scales2), 5);
-  a.acc = _mm512_fmadd_ps(_mm512_mul_ps(two8(q8k_d(y0), q8k_d(y1)), xd2),
-                          _mm512_cvtepi32_ps(_mm512_sub_epi32(fold2(s0, s1), sub)), a.acc);
+  a.acc = _mm512_fmadd_ps(_mm512_mul_ps(yd.d8, xd2), _mm512_cvtepi32_ps(_mm512_sub_epi32(fold2(s0, s1), sub)), a.acc);
 }
 
 // ---- Q4_K / Q5_K ---------------------------------------------------------------------------------
@@ -109,6 +129,7 @@ struct K4 {
     const BsumPairs* pairs = bsum_pairs<R>(nb, q);
     // Q4_K runs its rows' float steps in pairs (an odd last row alone); Q5_K's mins term is a scalar per row.
     constexpr int P = kQ5 ? 0 : R / 2;
+    const PairScales* yds = pair_scales<P * 2>(nb, q);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * w_row;
       RowAcc a[R];
@@ -150,8 +171,7 @@ struct K4 {
           const __m256i mins2 = _mm256_broadcastsi128_si256(mins);
 #pragma GCC unroll 4
           for (int p = 0; p < P; ++p)
-            k4_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, nxdmin2,
-                    mins2, pairs + i * R + 2 * p);
+            k4_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], yds[i * P + p], xd2, nxdmin2, mins2, pairs + i * R + 2 * p);
         }
 #pragma GCC unroll 8
         for (int r = 2 * P; r < R; ++r) k4_block<kQ5>(a[r], fold(sumi[r]), q[r] + i * kQ8K,
@@ -184,6 +204,7 @@ struct Q6 {
     // Rows whose float steps run in pairs (an odd last row alone): from 4 rows, where pairs measured faster
     // (one Zen 4 thread: 55 -> 55 and 60 -> 62 GMAC/s at 4 and 8 rows; 44 -> 42 at 2).
     constexpr int P = R >= 4 ? R / 2 : 0;
+    const PairScales* yds = pair_scales<P * 2>(nb, q);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * w_row;
       RowAcc a[R];
@@ -226,7 +247,8 @@ struct Q6 {
           const __m512i scales2 = _mm512_inserti64x4(scales, scales16, 1);
 #pragma GCC unroll 4
           for (int p = 0; p < P; ++p)
-            q6_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, xd2, scales2);
+            q6_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, yds[i * P + p], xd2,
+                    scales2);
         }
 #pragma GCC unroll 8
         for (int r = 2 * P; r < R; ++r) q6_block(a[r], fold(sumi[r]), q[r] + i * kQ8K, xd, scales16);

@@ -326,6 +326,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
     ),
     Mutation(
+        "multirow_avx512_pair_scales_swapped",
+        "ggml backend: multi-row K-quant products give ggml's vec_dot bits (AVX-512 kernels)",
+        "csrc/multirow_avx512.cc",
+        (("      buf[i * P + p] = PairScales{two8(yd0, yd1), two4(yd0, yd1)};\n",
+          "      buf[i * P + p] = PairScales{two8(yd1, yd0), two4(yd0, yd1)};  // MUTATION: the pair's scales swapped\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
+    ),
+    Mutation(
         "multirow_bsum_pairs_layout",
         "ggml backend: multi-row K-quant products give ggml's vec_dot bits",
         "csrc/multirow_common.h",
