@@ -25,6 +25,7 @@
 #include <nanobind/stl/string.h>
 
 #include "ggml-cpu.h"
+#include "gdn.h"
 #include "ggml.h"
 #include "multirow.h"
 #include "xla/ffi/api/ffi.h"
@@ -399,6 +400,68 @@ ffi::Error ExpertRowsImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
+// ---- The gated delta rule of one token (csrc/gdn.h), for GatedDeltaNet's recurrent rows ----
+
+// The shapes of a GDN step's per-token inputs against a state [H, dv, dk]; "" when they agree.
+std::string check_gdn(ffi::Span<const int64_t> sd, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+                      ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& g) {
+  if (sd.size() != 3) return "the state must be [H, dv, dk]";
+  const int64_t H = sd[0], dv = sd[1], dk = sd[2];
+  if (static_cast<int64_t>(q.element_count()) != H * dk || static_cast<int64_t>(k.element_count()) != H * dk ||
+      static_cast<int64_t>(v.element_count()) != H * dv || static_cast<int64_t>(beta.element_count()) != H ||
+      static_cast<int64_t>(g.element_count()) != H)
+    return "q, k [H, dk], v [H, dv], beta, g [H] disagree with the state";
+  if (!sharpi::gdn_native_supported(dk)) return "needs AVX2 / FMA and dk a multiple of 8";
+  return "";
+}
+
+void run_gdn(const Pool& pool, const float* src, float* dst, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+             ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& g, float scale, int64_t H,
+             int64_t dv, int64_t dk, float* o) {
+  pool.run(H, 2 * H * dv * dk, [&](int64_t h) {
+    sharpi::gdn_step(src, dst, q.typed_data(), k.typed_data(), v.typed_data(), beta.typed_data(), g.typed_data(),
+                     scale, dv, dk, h, h + 1, o);
+  });
+}
+
+// A decode step: the state S [H, dv, dk] updated in place (the result aliases the argument), o [H, dv].
+ffi::Error GdnStepImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> S, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> g, float scale,
+                       ffi::ResultBuffer<ffi::F32> S_out, ffi::ResultBuffer<ffi::F32> o) {
+  auto sd = S.dimensions();
+  std::string err = check_gdn(sd, q, k, v, beta, g);
+  if (!err.empty()) return ffi::Error::InvalidArgument("gdn step: " + err);
+  float* out = S_out->typed_data();
+  if (out != S.typed_data()) std::memcpy(out, S.typed_data(), S.element_count() * sizeof(float));
+  run_gdn(xla_pool(tp), out, out, q, k, v, beta, g, scale, sd[0], sd[1], sd[2], o->typed_data());
+  return ffi::Error::Success();
+}
+
+// A verify row: snapshot slot `dst` of buf [T, H, dv, dk] (the result aliases buf) gets the state after
+// the token, which starts from slot `src` (-1: from `state` [H, dv, dk]); o [H, dv]. src == dst reads the
+// slot before it is overwritten.
+ffi::Error GdnRowImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::F32> buf,
+                      ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::F32> q,
+                      ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
+                      ffi::Buffer<ffi::F32> g, float scale, ffi::ResultBuffer<ffi::F32> buf_out,
+                      ffi::ResultBuffer<ffi::F32> o) {
+  auto sd = state.dimensions(), bd = buf.dimensions();
+  std::string err = check_gdn(sd, q, k, v, beta, g);
+  if (err.empty() && (bd.size() != 4 || bd[1] != sd[0] || bd[2] != sd[1] || bd[3] != sd[2]))
+    err = "the snapshots must be [T, H, dv, dk] of the state's [H, dv, dk]";
+  if (!err.empty()) return ffi::Error::InvalidArgument("gdn row: " + err);
+  if (src.element_count() != 1 || dst.element_count() != 1)
+    return ffi::Error::InvalidArgument("gdn row: src and dst must be scalars");
+  const int64_t T = bd[0], slot = sd[0] * sd[1] * sd[2], from = src.typed_data()[0], to = dst.typed_data()[0];
+  if (from < -1 || from >= T || to < 0 || to >= T)
+    return ffi::Error::InvalidArgument("gdn row: src must be in [-1, T) and dst in [0, T)");
+  float* out = buf_out->typed_data();
+  if (out != buf.typed_data()) std::memcpy(out, buf.typed_data(), buf.element_count() * sizeof(float));
+  const float* from_p = from < 0 ? state.typed_data() : out + from * slot;
+  run_gdn(xla_pool(tp), from_p, out + to * slot, q, k, v, beta, g, scale, sd[0], sd[1], sd[2], o->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGgmlMatmul, MatmulImpl,
@@ -432,6 +495,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGgmlExpertRows, ExpertRowsImpl,
                                   .Attr<int32_t>("up_type")
                                   .Attr<int32_t>("down_type")
                                   .Attr<int32_t>("mode")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGdnStep, GdnStepImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGdnRow, GdnRowImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // ---------------------------------------------------------------------------------------------
@@ -492,6 +584,8 @@ NB_MODULE(_ggml, m) {
     d["sharpi_ggml_matmul"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlMatmul));
     d["sharpi_ggml_matmul_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlMatmulRows));
     d["sharpi_ggml_expert_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlExpertRows));
+    d["sharpi_gdn_step"] = nb::capsule(reinterpret_cast<void*>(SharpiGdnStep));
+    d["sharpi_gdn_row"] = nb::capsule(reinterpret_cast<void*>(SharpiGdnRow));
     return d;
   });
   m.def("set_multirow", &sharpi::set_multirow_enabled,
@@ -512,5 +606,7 @@ NB_MODULE(_ggml, m) {
   m.def("expert_rows", &host_expert_rows, nb::arg("x"), nb::arg("ids"), nb::arg("gate"), nb::arg("up"),
         nb::arg("down"), nb::arg("gate_type"), nb::arg("up_type"), nb::arg("down_type"), nb::arg("mode"), nb::arg("y"),
         nb::arg("threads") = 1, "y[N, k, D]: unreduced routed-expert outputs (same bits as the FFI op).");
+  m.def("gdn_supported", &sharpi::gdn_native_supported, nb::arg("dk"),
+        "Whether this CPU runs the native gated delta rule step for heads of dk values.");
   m.def("silu_mul", &host_silu_mul, "h = silu(g) * u with the expert op's own SiLU.");
 }

@@ -65,24 +65,28 @@ flags.DEFINE_integer("max_context", 256, "KV cache positions.")
 flags.DEFINE_integer("top", 25, "Rows of the op table.")
 flags.DEFINE_string("json_out", None, "Also write the table as JSON here.")
 
-_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z0-9]+)\[([\d,]*)\][^ ]*\s+custom-call\((.*)$")
+_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^)]*\)|[a-z0-9]+\[[\d,]*\]\S*)\s+custom-call\((.*)$")
 
 
 def ffi_names(hlo_text: str) -> dict[str, str]:
-    """ffi_call op name -> 'matmul N x M' / 'experts ...' from the compiled module's HLO text."""
+    """ffi_call op name -> 'ggml matmul [M x N]' / 'ggml experts [...]' / 'gdn step [H x dv x dk]' / 'gdn row
+    [T x H x dv x dk]' from the compiled module's HLO text (a result tuple: its first array's shape)."""
     out = {}
     for line in hlo_text.splitlines():
         m = _SHAPE.match(line)
         if not m:
             continue
-        name, _, dims, rest = m.groups()
+        name, shape, rest = m.groups()
         target = re.search(r'custom_call_target="([^"]+)"', rest)
         target = target.group(1) if target else "?"
-        dims = [int(d) for d in dims.split(",") if d]
+        first = re.search(r"\[([\d,]*)\]", shape)
+        dims = " x ".join(d for d in (first.group(1) if first else "").split(",") if d)
         if "matmul" in target:
-            out[name] = f"ggml matmul [{' x '.join(map(str, dims))}]"
+            out[name] = f"ggml matmul [{dims}]"
         elif "expert" in target:
-            out[name] = f"ggml experts [{' x '.join(map(str, dims))}]"
+            out[name] = f"ggml experts [{dims}]"
+        elif "gdn" in target:
+            out[name] = f"{target.removeprefix('sharpi_').replace('_', ' ')} [{dims}]"
         else:
             out[name] = f"custom {target}"
     return out

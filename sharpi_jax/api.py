@@ -538,14 +538,15 @@ _NOT_GIVEN: Any = object()  # repack=None is a value (no repacking), so "not giv
 def load_shortcuts(run: RunConfig | None = None, residency: ExpertResidency | None = None, parallel: int | None = None,
                    kv: SnapKV | None = None, *, dtype: Any = None, run_config: RunConfig | None = None,
                    prefill_buckets: Sequence[int] | None = None, expert_mode: str | None = None,
-                   row_kernel: str | None = None, gdn_chunk: int | None = None, kernels: str | None = None,
-                   repack: Any = _NOT_GIVEN, verify_head: str | None = None, expert_parallel: int | None = None,
+                   row_kernel: str | None = None, gdn_chunk: int | None = None, gdn_step: str | None = None,
+                   kernels: str | None = None, repack: Any = _NOT_GIVEN, verify_head: str | None = None,
+                   expert_parallel: int | None = None,
                    kv_policy: str | None = None,
                    kv_budget: int | None = None, kv_window: int | None = None, kv_pool: int | None = None,
                    **residency_keywords: Any) -> tuple[RunConfig | None, ExpertResidency | None, int | None, SnapKV | None]:
     """`sj.load`'s keyword shortcuts folded into its typed options -> (run, residency, parallel, kv).
 
-    RunConfig fields (prefill_buckets, expert_mode, row_kernel, gdn_chunk, kernels, repack, verify_head)
+    RunConfig fields (prefill_buckets, expert_mode, row_kernel, gdn_chunk, gdn_step, kernels, repack, verify_head)
     override `run`'s (run_config= is `run`'s other name); expert_budget, expert_policy and the residency keywords
     (`ExpertResidency.keywords`) build an `ExpertResidency`; expert_parallel is `parallel`; kv_policy
     ("snapkv" | None), kv_budget, kv_window, kv_pool build a `SnapKV`. dtype: float32 only. A typed
@@ -560,7 +561,7 @@ def load_shortcuts(run: RunConfig | None = None, residency: ExpertResidency | No
     if run is not None and not isinstance(run, RunConfig):
         raise InputError(f"run must be a sharpi_jax.RunConfig, got {type(run).__name__}")
     fields = dict(prefill_buckets=prefill_buckets, expert_mode=expert_mode, row_kernel=row_kernel,
-                  gdn_chunk=gdn_chunk, kernels=kernels, verify_head=verify_head)
+                  gdn_chunk=gdn_chunk, gdn_step=gdn_step, kernels=kernels, verify_head=verify_head)
     if any(v is not None for v in fields.values()) or repack is not _NOT_GIVEN:
         run = (run or RunConfig()).replace(**fields)
         if repack is not _NOT_GIVEN:

@@ -24,6 +24,7 @@ REPACKS = (None, "int8", "auto")  # explicit matrix repackings (a backend's `lay
 DEFAULT_PREFILL_BUCKETS = (32, 128, 256)
 DEFAULT_GDN_CHUNK = 64
 GDN_SOLVES = ("substitution", "inverse")  # how the chunked GDN form solves its triangular system
+GDN_STEPS = ("auto", "native", "xla")  # the recurrent GDN form's delta rule step
 ATTENTION_CHUNKS = ("used", "all")  # which KV-cache chunks attention visits (same bits)
 VERIFY_HEADS = ("auto", "lazy", "full")  # which LM-head rows a device-loop verify pass computes (same tokens)
 
@@ -44,6 +45,10 @@ class RunConfig:
     gdn_solve: how that form solves its unit lower-triangular system per chunk: "substitution" (row by
         row in a loop; inference) or "inverse" (the inverse as a product of matrix powers: all
         matmuls, much cheaper to differentiate; training). Equal up to float rounding.
+    gdn_step: the recurrent GDN form's delta rule step (decode, verify rows): "native" (csrc/gdn.h: one
+        pass over the state a row, a verify row's new state written straight into its snapshot slot;
+        CPU with AVX2 / FMA), "xla" (XLA ops; differentiable) or "auto" (native wherever it runs). The two
+        differ in the last bits; within one, batched verify equals sequential decode bit for bit.
     attention_chunks: which chunks of the KV cache attention visits: "used" (up to the last one a row
         can see: a loop with a data-dependent trip count; inference) or "all" (a static loop over every
         chunk, those past the rows' reach left untouched: reverse-mode differentiable; training).
@@ -69,6 +74,7 @@ class RunConfig:
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     gdn_chunk: int = DEFAULT_GDN_CHUNK
     gdn_solve: str = "substitution"
+    gdn_step: str = "auto"
     attention_chunks: str = "used"
     kernels: str = "auto"
     repack: str | None = "auto"
@@ -96,6 +102,8 @@ class RunConfig:
         object.__setattr__(self, "gdn_chunk", int(self.gdn_chunk))
         if self.gdn_solve not in GDN_SOLVES:
             raise InputError(f"gdn_solve must be one of {GDN_SOLVES}, got {self.gdn_solve!r}")
+        if self.gdn_step not in GDN_STEPS:
+            raise InputError(f"gdn_step must be one of {GDN_STEPS}, got {self.gdn_step!r}")
         if self.attention_chunks not in ATTENTION_CHUNKS:
             raise InputError(f"attention_chunks must be one of {ATTENTION_CHUNKS}, got {self.attention_chunks!r}")
         if self.verify_head not in VERIFY_HEADS:

@@ -121,14 +121,17 @@ def load_references(model_dir: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def fixture_engine(name: str, variant: str, max_context: int, prefill_buckets: tuple[int, ...] | None = None,
-                   kernels: str | None = None):
+                   kernels: str | None = None, gdn_step: str | None = None):
     """`sj.load` of fixture `<name>/<name>-<variant>.gguf`, cached so a module's tests share compiled
-    engines (released after each module, see `_release_compiled_code`). kernels: None = the default."""
+    engines (released after each module, see `_release_compiled_code`). kernels, gdn_step: None = the
+    default."""
     import sharpi_jax as sj
 
     options = {} if prefill_buckets is None else {"prefill_buckets": prefill_buckets}
     if kernels is not None:
         options["kernels"] = kernels
+    if gdn_step is not None:
+        options["gdn_step"] = gdn_step
     return sj.load(fixture_path(name, f"{name}-{variant}.gguf"), max_context=max_context, **options)
 
 

@@ -334,6 +334,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
     ),
     Mutation(
+        "gdn_native_row_ignores_parent_slot",
+        "Batched verify equals sequential: the native GDN step's verify rows start from their parent's slot",
+        "csrc/ggml_ops.cc",
+        (("  const float* from_p = from < 0 ? state.typed_data() : out + from * slot;\n",
+          "  const float* from_p = state.typed_data();  // MUTATION: every row from the given state\n"),),
+        ("tests/model/test_gdn_native.py::test_verify_rows_equal_decode_steps_bitwise",),
+    ),
+    Mutation(
+        "gdn_native_update_skips_decay",
+        "Batched verify equals sequential: the native GDN step computes the gated delta rule",
+        "csrc/gdn.cc",
+        (("      const __m256 sn = _mm256_fmadd_ps(d, kj, _mm256_mul_ps(_mm256_loadu_ps(s + j), ev));\n",
+          "      const __m256 sn = _mm256_fmadd_ps(d, kj, _mm256_loadu_ps(s + j));  // MUTATION: no decay\n"),),
+        ("tests/model/test_gdn_native.py::test_native_step_matches_a_float64_delta_rule",),
+    ),
+    Mutation(
         "multirow_bsum_pairs_layout",
         "ggml backend: multi-row K-quant products give ggml's vec_dot bits",
         "csrc/multirow_common.h",

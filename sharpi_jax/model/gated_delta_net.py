@@ -7,6 +7,9 @@ of HF's per-head [dk, dv]).
 The recurrent form runs conv, SiLU, L2 norm and the delta rule for one token per scan step, so a token's
 arithmetic is the same code whatever the number of rows in the call: T single-token steps and one
 T-row step give bitwise-equal outputs and per-row state snapshots. The chunked form is for prefill.
+The recurrent form's delta rule is XLA's `delta_rule_step` or, on a CPU by default, the native one-pass
+step (`gdn_native`, `RunConfig.gdn_step`), which writes a verify row's new state straight into its
+snapshot slot; a layer uses one of them for every path.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharpi_jax.config import DEFAULT_GDN_CHUNK, ModelConfig
+from sharpi_jax.model import gdn_native
 from sharpi_jax.model.layers import Linear, rms_norm
 
 GDN_CHUNK = DEFAULT_GDN_CHUNK
@@ -132,8 +136,9 @@ def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK, solve
 class GatedDeltaNet(nnx.Module):
     """GDN mixer: fused input projection [qkv | z | beta | alpha], causal conv, delta rule, gated norm."""
 
-    def __init__(self, c: ModelConfig, chunk: int = GDN_CHUNK, solve: str = "substitution"):
-        """chunk, solve: the chunked form's chunk length and solver (`RunConfig.gdn_chunk`, `gdn_solve`)."""
+    def __init__(self, c: ModelConfig, chunk: int = GDN_CHUNK, solve: str = "substitution", step: str = "xla"):
+        """chunk, solve: the chunked form's chunk length and solver (`RunConfig.gdn_chunk`, `gdn_solve`);
+        step: the recurrent form's delta rule step (`RunConfig.gdn_step`: "auto", "native" or "xla")."""
         self.chunk, self.solve = int(chunk), solve
         self.Hk, self.Hv, self.dk = c.ssm_n_group, c.ssm_dt_rank, c.ssm_d_state
         self.dv = c.ssm_d_inner // c.ssm_dt_rank
@@ -145,6 +150,7 @@ class GatedDeltaNet(nnx.Module):
         self.a = nnx.Param(jnp.zeros((c.ssm_dt_rank,), jnp.float32))  # ssm_a = -exp(A_log), as stored
         self.norm = nnx.Param(jnp.ones((self.dv,), jnp.float32))  # ssm_norm, no +1
         self.w_out = Linear(c.ssm_d_inner, c.d_model)
+        self.native = gdn_native.uses_native(step, self.dk)
 
     @property
     def scale(self) -> float:
@@ -190,13 +196,20 @@ class GatedDeltaNet(nnx.Module):
         o = rms_norm(o, self.norm[...], self.eps) * jax.nn.silu(z)
         return self.w_out(o.reshape(o.shape[0], -1), rows)
 
+    def _conv_token(self, conv, qkv_t):
+        """One token's conv: the conv state before it -> (conv state after it, q, k, v)."""
+        window = jnp.concatenate([conv, qkv_t[None]], axis=0)
+        q, k, v = self._split_heads(jax.nn.silu(self._conv_row(window)))
+        return window[1:], q, k, v
+
     def _token(self, conv, S, qkv_t, beta_t, g_t):
         """One token of the recurrent form: (conv, ssm) state before it -> (conv, ssm, o [Hv, dv])."""
-        window = jnp.concatenate([conv, qkv_t[None]], axis=0)
-        y = jax.nn.silu(self._conv_row(window))
-        q, k, v = self._split_heads(y)
-        S, o = delta_rule_step(S, q, k, v, beta_t, g_t, self.scale)
-        return window[1:], S, o
+        conv, q, k, v = self._conv_token(conv, qkv_t)
+        if self.native:
+            S, o = gdn_native.step(S, q, k, v, beta_t, g_t, self.scale)
+        else:
+            S, o = delta_rule_step(S, q, k, v, beta_t, g_t, self.scale)
+        return conv, S, o
 
     def recurrent(self, x: jax.Array, conv_state: jax.Array, ssm_state: jax.Array, parent: jax.Array | None = None,
                   rows: jax.Array | None = None, snapshots: bool = True, into=None, from_snapshot=None):
@@ -254,10 +267,19 @@ class GatedDeltaNet(nnx.Module):
             if from_snapshot is None:
                 i = jnp.maximum(p, 0)
                 conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
-                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
+                src = p  # the ssm snapshot row t starts from; -1: the given state
             else:  # only row 0 is a root (p < 0): it reads its slot before writing it
                 i = jnp.where(p < 0, from_snapshot, p)
-                conv, S = at(conv_snaps, i), at(ssm_snaps, i)
+                conv, src = at(conv_snaps, i), i
+            if self.native:  # the new state is written straight into slot t
+                conv, q, k, v = self._conv_token(conv, at(qkv, t))
+                ssm_snaps, o_t = gdn_native.row(ssm_state, ssm_snaps, src, t, q, k, v, at(beta, t), at(g, t),
+                                                self.scale)
+                return put(o, o_t, t), (put(conv_snaps, conv, t), ssm_snaps)
+            if from_snapshot is None:
+                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
+            else:
+                S = at(ssm_snaps, i)
             conv, S, o = step(t, (conv, S, o))
             return o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
 

@@ -62,7 +62,7 @@ class Block(nnx.Module):
         self.is_recurrent = c.is_recurrent(layer)
         self.attn_norm = RMSNorm(c.d_model, c.rms_eps)
         self.post_norm = RMSNorm(c.d_model, c.rms_eps)
-        self.mixer = GatedDeltaNet(c, run.gdn_chunk, run.gdn_solve) if self.is_recurrent else GatedAttention(c, run.attention_chunks)
+        self.mixer = GatedDeltaNet(c, run.gdn_chunk, run.gdn_solve, run.gdn_step) if self.is_recurrent else GatedAttention(c, run.attention_chunks)
         self.is_moe = c.is_moe
         if c.is_moe and experts is None:
             raise ValueError(f"block {layer} of a MoE model needs its routed experts (an ExpertProvider)")

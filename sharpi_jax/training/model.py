@@ -159,7 +159,7 @@ def _param_value(params: Params, c: ModelConfig, path: tuple):
 @functools.lru_cache(maxsize=16)
 def _skeleton(c: ModelConfig, capacity_factor: float | None, gdn_chunk: int):
     """(graphdef, flat abstract state) of a TrainingModel (built once per configuration, no arrays)."""
-    run = RunConfig(gdn_chunk=gdn_chunk, gdn_solve="inverse", attention_chunks="all")
+    run = RunConfig(gdn_chunk=gdn_chunk, gdn_solve="inverse", attention_chunks="all", gdn_step="xla")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: TrainingModel(c, run, capacity_factor)))
     return graphdef, [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
 

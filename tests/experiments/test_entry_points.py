@@ -367,8 +367,8 @@ def test_profile_step_prefill_of_two_chunks(runs, request):
 
 
 def test_profile_step_generation(runs, request):
-    """Whole device-loop generations of the chain (k = 2): per verify pass, its 3-row trunk products and
-    expert op named by their shapes, and the passes' count."""
+    """Whole device-loop generations of the chain (k = 2): per verify pass, its 3-row trunk products,
+    expert op and native GDN rows named by their shapes, and the passes' count."""
     tmp, res = result(runs, request)
     assert "device-loop generations of 10 tokens, MTP chain k=2" in ok(res).stdout
     rec = json.loads((tmp / "prof.json").read_text())
@@ -377,6 +377,7 @@ def test_profile_step_generation(runs, request):
     ops = [r["op"] for r in rec["table"]]
     assert any(op.startswith("ggml matmul [3 x ") for op in ops), ops
     assert any(op.startswith("ggml experts [3 x ") for op in ops), ops
+    assert any(op.startswith("gdn row [3 x ") for op in ops), ops
 
 
 def test_profile_step_generation_past_the_context(runs, request):
