@@ -56,6 +56,8 @@ flags.DEFINE_list("p_mins", [], "Adaptive chain length (draft_p_min) values: run
 flags.DEFINE_list("verify_heads", [], "Also run the device-loop chain (every k) and trees with these LM-head "
                   "modes of the verify pass (RunConfig.verify_head: lazy, full), beside the engine's own, on the "
                   "same loaded weights.")
+flags.DEFINE_enum("verify_head", "auto", ["auto", "lazy", "full"], "The engine's own verify head "
+                  "(RunConfig.verify_head): every device-loop run but the --verify_heads rows uses it.")
 flags.DEFINE_bool("draft_step_only", False, "Only the draft-step timing of --draft_vocab (for big files).")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
@@ -108,7 +110,7 @@ def main(argv) -> int:
 
     try:
         path = Path(_resolve(FLAGS.model or FLAGS.gguf))
-        engine = sj.load(path, max_context=FLAGS.max_context)
+        engine = sj.load(path, max_context=FLAGS.max_context, verify_head=FLAGS.verify_head)
         ks = [int(k) for k in FLAGS.ks]
         nodes = [int(x) for x in FLAGS.tree_nodes]
         widths = [int(w) for w in FLAGS.pass_widths]

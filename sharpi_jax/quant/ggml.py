@@ -18,6 +18,7 @@ float operations in its order, so they give the same bits. Output row m depends 
   now; turning them off (same bits) is for timing the vec_dot path beside them.
 - `multirow_isa()` / `set_multirow_isa(name)`: the kernels' instruction set (avx512 or avx2), and picking
   one (same bits) to time them side by side.
+- `gdn_supported(dk)`: whether the extension's native GDN step runs here (`sharpi_jax.model.gdn_native`).
 - `host_matmul` / `host_expert_rows`: the same computations on numpy arrays (no JAX, e.g. straight from
   the read-only mmap of a GGUF), same bits as the FFI ops.
 """
@@ -115,6 +116,12 @@ def multirow(qtype: int) -> bool:
     """Whether products of `qtype` with `multirow_min_rows(qtype)` or more rows run a multi-row kernel now
     (AVX2 CPU, enabled)."""
     return available() and bool(_ext().multirow(int(qtype)))
+
+
+def gdn_supported(dk: int) -> bool:
+    """Whether the extension's native GDN step (csrc/gdn.h, `sharpi_jax.model.gdn_native`) runs on this CPU
+    for heads of dk values (AVX2 / FMA, dk a multiple of 8); False when the extension is unavailable."""
+    return available() and bool(_ext().gdn_supported(int(dk)))
 
 
 def multirow_min_rows(qtype: int) -> int:
