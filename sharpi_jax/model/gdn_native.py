@@ -14,6 +14,7 @@ verify, the device and the host loop), so batched verify still equals sequential
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sharpi_jax.errors import InputError
@@ -56,6 +57,6 @@ def row(state: jax.Array, snaps: jax.Array, src: jax.Array, dst: jax.Array, q: j
     after the token, which starts from slot src (-1: from state [H, dv, dk]) -> (snaps, o [H, dv])."""
     H, dv = snaps.shape[1], snaps.shape[2]
     out = (jax.ShapeDtypeStruct(snaps.shape, snaps.dtype), jax.ShapeDtypeStruct((H, dv), snaps.dtype))
-    i32 = lambda a: jax.numpy.asarray(a, jax.numpy.int32)
+    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
     return jax.ffi.ffi_call("sharpi_gdn_row", out, input_output_aliases={1: 0}, vmap_method="sequential")(
-        state, snaps, i32(src), i32(dst), q, k, v, beta, g, scale=np.float32(scale))
+        state, snaps, src, dst, q, k, v, beta, g, scale=np.float32(scale))
