@@ -56,6 +56,7 @@ struct K4 {
       for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
       for (int64_t i = 0; i < nb; ++i) {
         const uint8_t* blk = wr + i * bsz;
+        prefetch_ahead(blk, bsz);
         const __m256i sm = _mm256_cvtepu8_epi16(scale_min_k4(blk + 4));
         const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
         const uint8_t* qs = blk + (kQ5 ? 48 : 16);
@@ -108,6 +109,7 @@ struct Q6 {
       for (int r = 0; r < R; ++r) a[r] = row_acc_zero();
       for (int64_t i = 0; i < nb; ++i) {
         const uint8_t* blk = wr + i * kQ6K;
+        prefetch_ahead(blk, kQ6K);
         const uint8_t* ql = blk;
         const uint8_t* qh = blk + 128;
         const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);

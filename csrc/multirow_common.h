@@ -65,6 +65,16 @@ SHARPI_INLINE __m128i scale_min_k4(const uint8_t* q) {
   return _mm_set_epi32(static_cast<int>(mn1), static_cast<int>(mn0), static_cast<int>(sc1), static_cast<int>(sc0));
 }
 
+// Software prefetch of the weight stream: a kernel starting a block asks for the bytes kPrefetchAhead past
+// it (its lines, `bytes` of them). The hardware prefetcher alone let a 2-4 row product stall on memory in
+// turns with computing (Zen 4, 2 threads, streamed 12352 x 2048 Q4_K: 4-8% faster with it). A prefetch
+// never faults, so reading past the matrix's end is harmless; it changes no bit.
+constexpr size_t kPrefetchAhead = 2048;
+
+SHARPI_INLINE void prefetch_ahead(const uint8_t* p, size_t bytes) {
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + o), _MM_HINT_T0);
+}
+
 // ---- ggml's float steps ----------------------------------------------------------------------------
 
 // One activation row's running sums against one weight row: 8 float lanes, and the mins term (4 float

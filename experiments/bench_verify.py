@@ -107,6 +107,7 @@ def main(argv) -> int:
     line_buffered()
     logging.set_verbosity(logging.WARNING)
     import sharpi_jax as sj
+    from sharpi_jax.runtime.steps import full_head_rows
 
     try:
         path = Path(_resolve(FLAGS.model or FLAGS.gguf))
@@ -138,7 +139,7 @@ def main(argv) -> int:
         _write(records, 0)
         return 0
     n = FLAGS.new_tokens
-    own_head = "lazy" if engine.runtime.lazy_head else "full"
+    own_head = engine.runtime.verify_head_desc()
     print(f"model {path.name} ({engine.config.arch}), prompt: {prompt_desc} ({len(ids)} tokens), "
           f"{n} new tokens, greedy, verify head {own_head}; warm-up, then median [min-max] of {FLAGS.repeats} "
           f"interleaved rounds", flush=True)
@@ -169,12 +170,12 @@ def main(argv) -> int:
         # --verify_heads: the same engine with the device loop's head mode switched for this run (the
         # attribute `RunConfig.verify_head` resolves to at load), so both modes read the same weights.
         kw, rt = dict(kw), engine.runtime
-        head, own = kw.pop("verify_head", None), rt.lazy_head
-        rt.lazy_head = own if head is None else head == "lazy"
+        head, own = kw.pop("verify_head", None), rt.full_head_rows
+        rt.full_head_rows = own if head is None else full_head_rows(head, on_ggml=True)
         try:
             return engine.generate(ids, max_new_tokens=max_new_tokens, stop_on_eos=False, **kw)
         finally:
-            rt.lazy_head = own
+            rt.full_head_rows = own
 
     def run(kw):
         return generate(n, kw)
@@ -429,7 +430,7 @@ def _p_min_rows(path: Path, ks, configs, indices: range, results, tok_s, med, re
 def _verify_head_rows(path: Path, ks, trees, own_head, configs, indices: range, results, tok_s, med, records) -> None:
     """The device-loop chain and trees with another verify-head mode, beside the engine's own rows."""
     base = results[0][0]
-    print(f"\n{'run':>12} {'head':>5} {'tok/s [min-max]':>24} {'vs ' + own_head:>9} {'tok/pass':>8}  same tokens")
+    print(f"\n{'run':>12} {'head':>5} {'tok/s [min-max]':>24} {'vs own':>9} {'tok/pass':>8}  same tokens")
     for j in indices:
         kw = configs[j]
         k, head = kw["draft_tokens"], kw["verify_head"]
@@ -447,9 +448,8 @@ def _verify_head_rows(path: Path, ks, trees, own_head, configs, indices: range, 
         records.append(put_spread(rec, "decode_tok_s", tok_s[j]))
         print(f"{name:>12} {head:>5} {fmt_spread(tok_s[j], 24)} {med[j] / med[own_i]:>9.2f} "
               f"{s.speculation.mean_accept_len:>8.2f}  {'yes' if same else 'NO'}")
-    print(f"verify-head rows: device loop; vs {own_head}: tok/s over the same run with the engine's own head mode "
-          f"({own_head}: " + ("the LM head of the walked rows only, one row at a time)" if own_head == "lazy" else
-                              "every verify row's LM head in the pass)"))
+    print(f"verify-head rows: device loop; vs own: tok/s over the same run with the engine's own head mode "
+          f"({own_head}); full: every verify row's LM head in the pass, lazy: the walked rows' only, one at a time")
 
 
 def _print_llama_cpp(off: float, rows, lc_off: dict | None, lc_mtp: dict) -> None:

@@ -279,7 +279,7 @@ def profile_generation(engine, path: Path, dump: str) -> int:
     sp = spread(walls)
     what = ("MTP off" if FLAGS.speculative == "off" else
             f"MTP chain k={FLAGS.draft_tokens}, draft_vocab {FLAGS.draft_vocab or 'full'}, verify head "
-            f"{'lazy' if engine.runtime.lazy_head else 'full'}")
+            f"{engine.runtime.verify_head_desc()}")
     print(f"{path.name}: device-loop generations of {n} tokens, {what}: median wall {sp['median']:.1f} ms "
           f"[{sp['min']:.1f}-{sp['max']:.1f}] over {FLAGS.steps} (profiled); {passes / FLAGS.steps:.1f} "
           f"{units} each, {(n - 1) * FLAGS.steps / passes:.2f} tokens per {unit} (the prefill's token aside)")
@@ -296,7 +296,7 @@ def profile_generation(engine, path: Path, dump: str) -> int:
     if FLAGS.json_out:
         Path(FLAGS.json_out).write_text(json.dumps({
             "model": str(path), "generate": n, "speculative": FLAGS.speculative, "draft_tokens": FLAGS.draft_tokens,
-            "draft_vocab": FLAGS.draft_vocab, "lazy_head": engine.runtime.lazy_head, "wall_ms": walls,
+            "draft_vocab": FLAGS.draft_vocab, "verify_head": engine.runtime.verify_head_desc(), "wall_ms": walls,
             "passes": passes / FLAGS.steps, "unit": unit, "ops_ms": total, "table": table}, indent=1))
     return 0
 

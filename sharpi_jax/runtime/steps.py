@@ -32,6 +32,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.model.tree import TreeRows, tree_arrays
+from sharpi_jax.quant import ggml
 from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, split
 from sharpi_jax.runtime.sampling import argmax
 from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
@@ -183,6 +184,26 @@ def _pass(logits, hidden, state, snaps) -> Pass:
     return Pass(logits, greedy, hidden, state, snaps)
 
 
+# "auto" on ggml's head with the AVX-512 kernels: passes of up to this many rows compute every row's head in
+# one product. There 2 / 4 head rows stream at 1.06x / 1.5x one row's time (the 248k-row Q6_K head, Zen 4, 2
+# threads), while a lazy walk reads the whole head once per walked row; on the research twin "full" ran the
+# chain 1.03-1.05x faster at k = 1..3 (docs/speculation.md). A tree's 9 rows cost their arithmetic (~2.7x a row).
+AUTO_FULL_HEAD_ROWS = 4
+ALL_ROWS = 1 << 30  # no pass is wider
+
+
+def full_head_rows(verify_head: str, on_ggml: bool) -> int:
+    """`RunConfig.verify_head` resolved: the widest verify pass that computes its LM head in one product
+    ("full": every pass; "lazy": none; "auto": every pass off ggml, e.g. on a GPU where extra rows are nearly
+    free; on ggml AUTO_FULL_HEAD_ROWS with the AVX-512 kernels, none with AVX2 only, where each head row costs
+    its arithmetic even inside a product)."""
+    if verify_head == "full" or (verify_head == "auto" and not on_ggml):
+        return ALL_ROWS
+    if verify_head == "lazy":
+        return 0
+    return AUTO_FULL_HEAD_ROWS if ggml.multirow_isa() == "avx512" else 0
+
+
 class Runtime:
     """The jitted steps of one loaded model, bound to its params and a context size.
 
@@ -197,14 +218,23 @@ class Runtime:
         self.prefill_buckets = self.run.prefill_buckets
         # params: the model's arrays, flat; cache: expert residency state, replaced after every step
         self.graph, self.params, self.cache = split(model, ExpertCache)
-        # The device loop's verify head (`RunConfig.verify_head`): lazy where ggml computes the head (CPU,
-        # chosen where its rows cost their arithmetic even in one product); a GPU reads the head once for
-        # all rows.
-        on_ggml = all(p.kernels == "ggml" for p in model.lm_head.parts())
-        self.lazy_head = self.run.verify_head == "lazy" or (self.run.verify_head == "auto" and on_ggml)
+        # The device loop's verify head (`RunConfig.verify_head`) as the widest pass whose head rows are one
+        # product; wider passes walk them lazily (`lazy_head_for`).
+        self.full_head_rows = full_head_rows(self.run.verify_head,
+                                             all(p.kernels == "ggml" for p in model.lm_head.parts()))
         self._fns = _step_fns(self.graph)
         self._hold = hold(self.graph)
         self._snapshot_buffers: Snapshots | None = None  # the last device loop's (`snapshot_buffers`)
+
+    def lazy_head_for(self, rows: int) -> bool:
+        """Whether a device-loop verify pass of `rows` rows computes its LM head lazily (one walked row at a
+        time) rather than in one product of every row."""
+        return rows > self.full_head_rows
+
+    def verify_head_desc(self) -> str:
+        """The resolved verify head in words: "full", "lazy" or "full up to N rows, lazy above"."""
+        r = self.full_head_rows
+        return "full" if r >= ALL_ROWS else "lazy" if r == 0 else f"full up to {r} rows, lazy above"
 
     def close(self) -> None:
         """Drop the params and cache and release the graph's compiled steps (`compiled.release`)."""

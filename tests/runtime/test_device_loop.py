@@ -15,12 +15,14 @@ import pytest
 
 import sharpi_jax as sj
 from sharpi_jax.errors import InputError
+from sharpi_jax.quant import ggml
 from sharpi_jax.model.snapkv import policy
 from sharpi_jax.runtime.device_loop import out_slots
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.strategies import chain, tree
 from sharpi_jax.runtime.strategies.chain import generate_mtp, generate_mtp_device
 from sharpi_jax.runtime.strategies.plain import generate_ids, generate_ids_device
+from sharpi_jax.runtime.steps import ALL_ROWS, AUTO_FULL_HEAD_ROWS, full_head_rows
 from sharpi_jax.runtime.strategies.tree import generate_tree, generate_tree_device
 from tests.conftest import fixture_engine, load_references
 
@@ -69,8 +71,11 @@ def check(e, prompt, n, sampling, k=3, stop_ids=(), kv=None, modes=("plain", "ch
     return runs
 
 
-def test_greedy_and_seeded_equal_host_loop(default_engine):
+def test_greedy_and_seeded_equal_host_loop(default_engine, monkeypatch):
+    """The device loops with the lazy verify head (the walk; `test_full_verify_head_gives_the_lazy_loops_tokens`
+    holds the full head to it) give the host loop's tokens and stats, greedy and seeded."""
     e = default_engine
+    monkeypatch.setattr(e.runtime, "full_head_rows", 0)
     prompt = e.tokenizer.encode("def fibonacci(n):\n")
     greedy = check(e, prompt, 40, GREEDY)
     seeded = check(e, prompt, 40, SEEDED, modes=("chain", "tree"))
@@ -197,15 +202,15 @@ def test_engine_generate_loop_option(default_engine):
 
 def test_full_verify_head_gives_the_lazy_loops_tokens(default_engine, monkeypatch):
     """verify_head "full" (every verify row's head in the pass) gives the tokens and pass stats of the
-    default lazy head (which the tests above hold to the host loop): the chain greedy, the tree seeded.
+    lazy head (which the tests above hold to the host loop): the chain greedy, the tree seeded.
     (Batches of sequences run the full head too: `tests/runtime/test_batch.py` holds them to these loops.)"""
     e = default_engine
-    assert e.runtime.lazy_head
+    monkeypatch.setattr(e.runtime, "full_head_rows", 0)
     prompt = e.tokenizer.encode("def fibonacci(n):\n")
     runs = dict(chain=lambda: generate_mtp_device(e.runtime, e.mtp, prompt, 40, GREEDY, (), 3),
                 tree=lambda: generate_tree_device(e.runtime, e.mtp, prompt, 40, SEEDED, (), 3, 8))
     lazy = {mode: run() for mode, run in runs.items()}
-    monkeypatch.setattr(e.runtime, "lazy_head", False)
+    monkeypatch.setattr(e.runtime, "full_head_rows", ALL_ROWS)
     for mode, run in runs.items():
         tokens, stats = run()
         assert tokens == lazy[mode][0], mode
@@ -215,11 +220,18 @@ def test_full_verify_head_gives_the_lazy_loops_tokens(default_engine, monkeypatc
 
 
 def test_verify_head_option():
-    """`verify_head` resolves at load: auto is lazy on ggml's head only; a bad value is a one-line error."""
-    assert sj.load(max_context=64).runtime.lazy_head
-    assert not sj.load(max_context=64, verify_head="full").runtime.lazy_head
-    assert not sj.load(max_context=64, kernels="xla").runtime.lazy_head
-    assert sj.load(max_context=64, run=sj.RunConfig(kernels="xla", verify_head="lazy")).runtime.lazy_head
+    """`verify_head` resolves at load: "auto" computes the head of passes up to AUTO_FULL_HEAD_ROWS rows in one
+    product on ggml with the AVX-512 kernels (none with AVX2 only) and of every pass off ggml; "full" and
+    "lazy" hold for every width; a bad value is a one-line error."""
+    widest = 1 << 20
+    auto = sj.load(max_context=64).runtime
+    avx512 = ggml.multirow_isa() == "avx512"
+    assert auto.lazy_head_for(AUTO_FULL_HEAD_ROWS + 1) and auto.lazy_head_for(2) != avx512
+    assert auto.lazy_head_for(AUTO_FULL_HEAD_ROWS) != avx512
+    assert not sj.load(max_context=64, verify_head="full").runtime.lazy_head_for(widest)
+    assert sj.load(max_context=64, verify_head="lazy").runtime.lazy_head_for(2)
+    assert not sj.load(max_context=64, kernels="xla").runtime.lazy_head_for(widest)
+    assert sj.load(max_context=64, run=sj.RunConfig(kernels="xla", verify_head="lazy")).runtime.lazy_head_for(2)
     with pytest.raises(InputError, match="verify_head must be one of"):
         sj.load(max_context=64, verify_head="sometimes")
 
@@ -262,22 +274,39 @@ def _head_products(monkeypatch, e, module, run) -> list[tuple[int, int]]:
 
 
 def test_lazy_verify_head_computes_one_head_row_at_a_time(default_engine, monkeypatch):
-    """The lever itself: with the default (lazy on ggml) the chain's and the tree's loop programs hold no
-    trunk head product of the pass's width ([K + 1, V] for the chain, [N + 1, V] for the tree), only the
-    2-row bucket of one walked row (row 1 not computed), while "full" holds the pass-wide one. (The MTP
-    drafter's own head products, the same matrix, are the same in both.)"""
+    """The lever itself: with the lazy head the chain's and the tree's loop programs hold no trunk head
+    product of the pass's width ([K + 1, V] for the chain, [N + 1, V] for the tree), only the 2-row bucket of
+    one walked row (row 1 not computed), while "full" holds the pass-wide one. (The MTP drafter's own head
+    products, the same matrix, are the same in both.)"""
     e = default_engine
-    assert e.runtime.lazy_head
+    monkeypatch.setattr(e.runtime, "full_head_rows", 0)
     prompt, V = e.tokenizer.encode("def f(x):\n"), e.config.n_vocab
     runs = dict(chain=(chain, lambda: generate_mtp_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), 3)),
                 tree=(tree, lambda: generate_tree_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), 3, 8)))
     lazy = {name: _head_products(monkeypatch, e, *run) for name, run in runs.items()}
-    monkeypatch.setattr(e.runtime, "lazy_head", False)
+    monkeypatch.setattr(e.runtime, "full_head_rows", ALL_ROWS)
     full = {name: _head_products(monkeypatch, e, *run) for name, run in runs.items()}
     for name, width in (("chain", 4), ("tree", 9)):
         assert (width, V) in full[name] and (width, V) not in lazy[name], (name, full[name], lazy[name])
         assert (2, V) in lazy[name]
         assert set(full[name]) - {(width, V)} <= set(lazy[name])  # only the pass's head changed
+
+
+def test_auto_verify_head_picks_by_pass_width(default_engine, monkeypatch):
+    """"auto" on ggml (the default here): with the AVX-512 kernels a chain pass of up to AUTO_FULL_HEAD_ROWS
+    rows holds the pass-wide head product and a wider one (chain k = 4, the 9-row tree) walks lazily;
+    with AVX2 only every pass walks lazily. Read from the loop programs, as the test above."""
+    e = default_engine
+    monkeypatch.setattr(e.runtime, "full_head_rows", full_head_rows("auto", on_ggml=True))
+    prompt, V = e.tokenizer.encode("def f(x):\n"), e.config.n_vocab
+    full_at = AUTO_FULL_HEAD_ROWS if ggml.multirow_isa() == "avx512" else 0
+    runs = [(chain, k + 1, lambda k=k: generate_mtp_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), k))
+            for k in (AUTO_FULL_HEAD_ROWS - 1, AUTO_FULL_HEAD_ROWS)]
+    runs.append((tree, 9, lambda: generate_tree_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), 3, 8)))
+    for module, width, run in runs:
+        products = _head_products(monkeypatch, e, module, run)
+        if width > 2:  # (a 2-row pass's full product has the shape of the lazy walk's 2-row bucket)
+            assert ((width, V) in products) == (width <= full_at), (module.__name__, width, products)
 
 
 def test_out_slots():

@@ -196,7 +196,7 @@ def generate_mtp_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int]
     else:
         slot_room = dec.last_position()  # slot_room - P: the drafts the caches' slots still hold
         fn = jitted_loop(runtime.steps.commit_verify, mtp.draft_fn, False,
-                         runtime.steps.head_row if runtime.lazy_head else None)
+                         runtime.steps.head_row if runtime.lazy_head_for(K + 1) else None)
         out, n, code, end, counts, runtime.cache, (_, _, buffers) = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(dec.mtp_offset), np.int32(dec.k), np.int32(max_new_tokens),

@@ -190,7 +190,7 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         tokens, stop = [], "max_new_tokens"
     else:
         fn = jitted_loop(runtime.steps.tree_commit_verify, dec.drafter.root, dec.drafter.level, False,
-                         runtime.steps.head_row if runtime.lazy_head else None)
+                         runtime.steps.head_row if runtime.lazy_head_for(dec.n_nodes + 1) else None)
         slot_room = dec.last_position()  # as the chain: slot_room - P = the nodes the slots still hold
         out, n, code, end, counts, runtime.cache, (_, _, buffers) = fn(
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
