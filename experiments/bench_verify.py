@@ -52,7 +52,8 @@ flags.DEFINE_list("draft_vocab", [], "Draft vocabulary sizes N: time one MTP dra
                   "against the full head, and (unless --draft_step_only) run the chain k with draft_vocab=N on the "
                   "device loop, acceptance beside the full head's.")
 flags.DEFINE_list("p_mins", [], "Adaptive chain length (draft_p_min) values: run the chain k with each on the "
-                  "device loop, beside the always-k chain (drafts per pass, tokens per pass, tok/s).")
+                  "device loop, beside the always-k chain (drafts per pass, tokens per pass, tok/s); with "
+                  "--draft_vocab also with each draft vocabulary.")
 flags.DEFINE_list("verify_heads", [], "Also run the device-loop chain (every k) and trees with these LM-head "
                   "modes of the verify pass (RunConfig.verify_head: lazy, full), beside the engine's own, on the "
                   "same loaded weights.")
@@ -158,8 +159,10 @@ def main(argv) -> int:
     configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_vocab=v)
                 for k in ks for v in vocabs]
     pm_first = len(configs)
-    configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_p_min=float(p))
-                for k in ks for p in FLAGS.p_mins]
+    # With --draft_vocab, each p_min runs with each draft vocabulary too (the levers combined).
+    configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_p_min=float(p),
+                     **({} if v is None else {"draft_vocab": v}))
+                for k in ks for p in FLAGS.p_mins for v in [None] + vocabs]
     vh_first = len(configs)
     configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", verify_head=h)
                 for h in heads for k in ks]
@@ -238,7 +241,7 @@ def main(argv) -> int:
     if vocabs:
         _draft_vocab_rows(path, ks, vocabs, configs, range(dv_first, pm_first), results, tok_s, med, records)
     if FLAGS.p_mins:
-        _p_min_rows(path, ks, configs, range(pm_first, vh_first), results, tok_s, med, records)
+        _p_min_rows(path, ks, vocabs, dv_first, configs, range(pm_first, vh_first), results, tok_s, med, records)
     if heads:
         _verify_head_rows(path, ks, trees, own_head, configs, range(vh_first, len(configs)), results, tok_s, med,
                           records)
@@ -410,21 +413,24 @@ def _draft_vocab_rows(path: Path, ks, vocabs, configs, indices: range, results, 
           "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
 
 
-def _p_min_rows(path: Path, ks, configs, indices: range, results, tok_s, med, records) -> None:
-    """Chain k with an adaptive length (draft_p_min) on the device loop, beside the always-k device chain."""
+def _p_min_rows(path: Path, ks, vocabs, dv_first, configs, indices: range, results, tok_s, med, records) -> None:
+    """Chain k with an adaptive length (draft_p_min) on the device loop, beside the always-k device chain with
+    the same draft vocabulary (full head or --draft_vocab)."""
     base = results[0][0]
-    print(f"\n{'k':>2} {'p_min':>6} {'tok/s [min-max]':>24} {'vs k':>6} {'drafts/pass':>11} {'tok/pass':>8} "
-          f"{'accept':>7}  same tokens")
+    print(f"\n{'k':>2} {'p_min':>6} {'draft_vocab':>11} {'tok/s [min-max]':>24} {'vs k':>6} {'drafts/pass':>11} "
+          f"{'tok/pass':>8} {'accept':>7}  same tokens")
     for j in indices:
-        k, p = configs[j]["draft_tokens"], configs[j]["draft_p_min"]
-        full_i = 2 + 3 * ks.index(k) + 2  # the always-k device-loop chain row
+        k, p, v = configs[j]["draft_tokens"], configs[j]["draft_p_min"], configs[j].get("draft_vocab")
+        # the always-k device-loop chain row with the same draft vocabulary
+        own_i = 2 + 3 * ks.index(k) + 2 if v is None else dv_first + ks.index(k) * len(vocabs) + vocabs.index(v)
         s = results[j][0].stats.speculation
         per_pass = s.drafted / max(1, s.verify_passes)
-        same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_p_min=p, drafts_per_pass=per_pass)
-        print(f"{k:>2} {p:>6.2f} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>6.2f} {per_pass:>11.2f} "
-              f"{s.mean_accept_len:>8.2f} {s.acceptance_rate:>7.1%}  {'yes' if same else 'NO'}")
-    print("p_min rows: device loop; vs k: tok/s over the always-k chain at the same k; drafts/pass: drafts verified "
-          "per trunk pass (k at most).")
+        same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_p_min=p, drafts_per_pass=per_pass,
+                             **({} if v is None else {"draft_vocab": v}))
+        print(f"{k:>2} {p:>6.2f} {v or 'full':>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[own_i]:>6.2f} "
+              f"{per_pass:>11.2f} {s.mean_accept_len:>8.2f} {s.acceptance_rate:>7.1%}  {'yes' if same else 'NO'}")
+    print("p_min rows: device loop; vs k: tok/s over the always-k chain at the same k and draft vocabulary; "
+          "drafts/pass: drafts verified per trunk pass (k at most).")
 
 
 def _verify_head_rows(path: Path, ks, trees, own_head, configs, indices: range, results, tok_s, med, records) -> None:
