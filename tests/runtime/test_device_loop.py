@@ -15,15 +15,15 @@ import pytest
 
 import sharpi_jax as sj
 from sharpi_jax.errors import InputError
-from sharpi_jax.quant import ggml
 from sharpi_jax.model.snapkv import policy
+from sharpi_jax.quant import ggml
 from sharpi_jax.runtime.device_loop import out_slots
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.strategies import chain, tree
 from sharpi_jax.runtime.strategies.chain import generate_mtp, generate_mtp_device
 from sharpi_jax.runtime.strategies.plain import generate_ids, generate_ids_device
-from sharpi_jax.runtime.steps import ALL_ROWS, AUTO_FULL_HEAD_ROWS, full_head_rows
 from sharpi_jax.runtime.strategies.tree import generate_tree, generate_tree_device
+from sharpi_jax.runtime.steps import ALL_ROWS, AUTO_FULL_HEAD_ROWS, full_head_rows
 from tests.conftest import fixture_engine, load_references
 
 GREEDY = SamplingParams()
@@ -305,8 +305,7 @@ def test_auto_verify_head_picks_by_pass_width(default_engine, monkeypatch):
     runs.append((tree, 9, lambda: generate_tree_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), 3, 8)))
     for module, width, run in runs:
         products = _head_products(monkeypatch, e, module, run)
-        if width > 2:  # (a 2-row pass's full product has the shape of the lazy walk's 2-row bucket)
-            assert ((width, V) in products) == (width <= full_at), (module.__name__, width, products)
+        assert ((width, V) in products) == (width <= full_at), (module.__name__, width, products)
 
 
 def test_out_slots():
