@@ -15,7 +15,9 @@ the fixture's prompt 0 (llama.cpp token ids) when the model has a references.jso
 --prompt. Every configuration is warmed up first (jit compilation excluded), then --repeats rounds run
 every configuration once each (interleaved, experiments.timing); figures are each configuration's
 median round with min / max, in decode tokens/s (records: decode_tok_s, _min, _max, _runs). Each
-speculative run's tokens are checked against MTP off (they must be identical).
+speculative run's tokens are checked against MTP off (they must be identical). Beside each speculative
+row: tokens per trunk pass, acceptance by draft position (a tree: by depth) and, for a MoE, the distinct
+routed experts a pass reads per layer (--experts_per_pass; records: experts_per_pass).
 
 llama.cpp side by side (optional): with --llama_bin=DIR (a llama.cpp bin directory), the same GGUF and
 prompt text run through `llama-speculative-simple --spec-type draft-mtp` for every k (best of
@@ -59,6 +61,10 @@ flags.DEFINE_list("verify_heads", [], "Also run the device-loop chain (every k) 
                   "same loaded weights.")
 flags.DEFINE_enum("verify_head", "auto", ["auto", "lazy", "full"], "The engine's own verify head "
                   "(RunConfig.verify_head): every device-loop run but the --verify_heads rows uses it.")
+flags.DEFINE_bool("experts_per_pass", True, "For a MoE: after the timed rounds, run each printed speculative "
+                  "configuration once more on the host loop keeping its verify rows, route them teacher-forced "
+                  "(experiments.pass_experts) and print the distinct routed experts a pass reads per layer beside "
+                  "each row (MTP off: top-k a step).")
 flags.DEFINE_bool("draft_step_only", False, "Only the draft-step timing of --draft_vocab (for big files).")
 flags.DEFINE_string("json_out", None, "Append one JSON record per configuration here (JSONL).")
 flags.DEFINE_string("llama_bin", None, "llama.cpp bin directory with llama-speculative-simple and llama-bench "
@@ -193,6 +199,7 @@ def main(argv) -> int:
                           what="configurations")
     tok_s = [[o.stats.speed.decode_tok_s for o in outs] for outs in results]
     med = [spread(t)["median"] for t in tok_s]
+    experts = _experts_per_pass(engine, ids, n, configs, results[0][0].tokens)
     base, off, off_dev = results[0][0], med[0], med[1]
     for i, loop in ((0, "host"), (1, "device")):
         records.append(put_spread({"model": path.stem, "speculative": None, "draft_tokens": 0, "verify": None,
@@ -211,7 +218,8 @@ def main(argv) -> int:
             rec = {"model": path.stem, "speculative": "mtp", "draft_tokens": k, "verify": configs[i]["verify"],
                    "loop": configs[i]["loop"], "same_tokens_as_off": same, "repeats": FLAGS.repeats,
                    **_picked(s, ("accept_per_position", "acceptance_rate", "mean_accept_len", "drafted", "accepted",
-                                 "verify_passes", "generated_tokens"))}
+                                 "verify_passes", "generated_tokens")),
+                   "experts_per_pass": experts.get(_key(configs[i]))}
             put_spread(rec, "decode_tok_s", tok_s[i])
             if mode != "device":  # one device program has no draft / verify split
                 put_spread(rec, "draft_s", [o.stats.speculation.draft_s for o in outs], runs=False)
@@ -219,10 +227,13 @@ def main(argv) -> int:
             records.append(rec)
         rows.append((k, res))
 
+    step_experts = (f", {engine.config.n_expert_used} routed experts a layer per step" if engine.config.is_moe
+                    else "")
     print(f"\nMTP off: host loop {fmt_spread(tok_s[0])}, device loop {fmt_spread(tok_s[1])} decode tok/s "
-          f"(median [min-max] of {FLAGS.repeats} rounds)")
+          f"(median [min-max] of {FLAGS.repeats} rounds){step_experts}")
     hdr = (f"{'k':>2} {'seq tok/s':>10} {'host batch':>10} {'device tok/s [min-max]':>24} {'dev/host':>8} "
-           f"{'dev/off':>7} {'accept':>7} {'tok/pass':>8} {'draft_s':>8} {'verify_s':>8}  same tokens")
+           f"{'dev/off':>7} {'accept':>7} {'tok/pass':>8} {'experts/pass':>12} {'draft_s':>8} {'verify_s':>8}  "
+           f"same tokens  accept by position")
     print(hdr)
     print("-" * len(hdr))
     for k, res in rows:
@@ -231,17 +242,23 @@ def main(argv) -> int:
         rec = next(r for r in records if r.get("draft_tokens") == k and r.get("verify") == "batched"
                    and r.get("loop") == "host")
         print(f"{k:>2} {seq:>10.1f} {bat:>10.1f} {fmt_spread(dev_runs, 24)} {dev / bat:>8.2f} {dev / off_dev:>7.2f} "
-              f"{s.speculation.acceptance_rate:>7.1%} {s.speculation.mean_accept_len:>8.2f} {rec['draft_s']:>8.3f} "
-              f"{rec['verify_s']:>8.3f}  {'yes' if seq_same and bat_same and dev_same else 'NO'}")
+              f"{s.speculation.acceptance_rate:>7.1%} {s.speculation.mean_accept_len:>8.2f} "
+              f"{_fmt_experts(rec['experts_per_pass'])} {rec['draft_s']:>8.3f} {rec['verify_s']:>8.3f}  "
+              f"{'yes' if seq_same and bat_same and dev_same else 'NO':>11}  "
+              f"{_by_position(s.speculation.accept_per_position)}")
     print("tok/s: median of the rounds; ratios of medians; dev/off: device-loop MTP over device-loop MTP off; "
-          "accept: accepted / drafted; tok/pass: mean accepted drafts + 1 per trunk pass; draft_s / verify_s: MTP "
-          "vs trunk seconds of the host-loop batched run (median).")
+          "accept: accepted / drafted; tok/pass: mean accepted drafts + 1 per trunk pass; experts/pass: distinct "
+          "routed experts a pass's rows select, mean over MoE layers and passes (teacher-forced replay of a "
+          "host-loop run: experiments.pass_experts); draft_s / verify_s: MTP vs trunk seconds of the host-loop "
+          "batched run (median); accept by position: draft i accepted, over the passes that drafted it.")
     if trees:
-        _tree_rows(path, trees, ks, results, tok_s, med, records)
+        _tree_rows(path, trees, ks, results, tok_s, med, records, experts)
     if vocabs:
-        _draft_vocab_rows(path, ks, vocabs, configs, range(dv_first, pm_first), results, tok_s, med, records)
+        _draft_vocab_rows(path, ks, vocabs, configs, range(dv_first, pm_first), results, tok_s, med, records,
+                          experts)
     if FLAGS.p_mins:
-        _p_min_rows(path, ks, vocabs, dv_first, configs, range(pm_first, vh_first), results, tok_s, med, records)
+        _p_min_rows(path, ks, vocabs, dv_first, configs, range(pm_first, vh_first), results, tok_s, med, records,
+                    experts)
     if heads:
         _verify_head_rows(path, ks, trees, own_head, configs, range(vh_first, len(configs)), results, tok_s, med,
                           records)
@@ -258,6 +275,43 @@ def main(argv) -> int:
     return 0 if all(r.get("same_tokens_as_off", True) for r in records) else 1
 
 
+def _key(kw: dict) -> tuple:
+    """A speculative configuration's drafts: (speculative, k, tree nodes, draft vocab, p_min); the loop and
+    the verify head do not change them."""
+    return (kw["speculative"], kw["draft_tokens"], kw.get("tree_nodes"), kw.get("draft_vocab"),
+            kw.get("draft_p_min"))
+
+
+def _experts_per_pass(engine, ids: list[int], n: int, configs: list[dict], off_tokens: list[int]) -> dict:
+    """{_key: distinct routed experts per pass and layer} of each speculative configuration (--experts_per_pass,
+    a MoE only): one host-loop run keeping its verify rows, routed teacher-forced (experiments.pass_experts).
+    A run whose tokens are not MTP off's gets no figure (its rows would not be the timed runs')."""
+    if not FLAGS.experts_per_pass or not engine.config.is_moe:
+        return {}
+    import time
+
+    from experiments.pass_experts import experts_per_pass, pass_rows
+
+    keys = list(dict.fromkeys(_key(kw) for kw in configs if kw.get("speculative")))
+    out, t0 = {}, time.perf_counter()
+    for i, key in enumerate(keys):
+        spec, k, nodes, vocab, p_min = key
+        run = pass_rows(engine, ids, n, spec, k, nodes, vocab, p_min)
+        out[key] = experts_per_pass(engine, ids, run) if run.tokens == off_tokens else None
+        print(f"  experts per pass: {i + 1}/{len(keys)} configurations, {time.perf_counter() - t0:.0f}s elapsed",
+              flush=True)
+    return out
+
+
+def _fmt_experts(x: float | None) -> str:
+    return f"{x:>12.1f}" if x is not None else f"{'-':>12}"
+
+
+def _by_position(fractions: list[float] | None) -> str:
+    """Acceptance by draft position (or depth), e.g. "0.62 / 0.43"."""
+    return " / ".join(f"{f:.2f}" for f in fractions) if fractions else "-"
+
+
 def _write(records: list[dict], n: int) -> None:
     if FLAGS.json_out:
         out_path = Path(FLAGS.json_out)
@@ -268,13 +322,13 @@ def _write(records: list[dict], n: int) -> None:
         print(f"wrote {len(records)} records to {out_path}")
 
 
-def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
+def _tree_rows(path: Path, trees, ks, results, tok_s, med, records, experts: dict) -> None:
     """Tree rows (host and device loop) beside the chain's batched rows of the same k (records appended)."""
     off_dev, base = med[1], results[0][0]
     first = 2 + 3 * len(ks)
     print(f"\n{'k':>2} {'nodes':>5} {'host tok/s':>10} {'device tok/s [min-max]':>24} {'dev/host':>8} "
-          f"{'tree/chain':>10} {'tree/off':>8} {'tok/pass':>8} {'chain tok/pass':>14} {'draft_s':>8} {'verify_s':>8}"
-          f"  same tokens")
+          f"{'tree/chain':>10} {'tree/off':>8} {'tok/pass':>8} {'chain tok/pass':>14} {'experts/pass':>12} "
+          f"{'draft_s':>8} {'verify_s':>8}  same tokens  accept by depth")
     for j, (k, m) in enumerate(trees):
         ih, idev = first + 2 * j, first + 2 * j + 1
         chain_i = 2 + 3 * ks.index(k) + 2  # the device-loop batched chain
@@ -286,7 +340,8 @@ def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
                    "verify": "batched", "loop": s.speed.loop, "same_tokens_as_off": same, "repeats": FLAGS.repeats,
                    "chain_mean_accept_len": chain.speculation.mean_accept_len,
                    **_picked(s, ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted", "accepted",
-                                 "verify_passes", "generated_tokens", "snapshot_bytes_per_node"))}
+                                 "verify_passes", "generated_tokens", "snapshot_bytes_per_node")),
+                   "experts_per_pass": experts.get(("mtp_tree", k, m, None, None))}
             put_spread(rec, "decode_tok_s", tok_s[i])
             if i == ih:  # one device program has no draft / verify split
                 put_spread(rec, "draft_s", [o.stats.speculation.draft_s for o in results[i]], runs=False)
@@ -296,11 +351,13 @@ def _tree_rows(path: Path, trees, ks, results, tok_s, med, records) -> None:
         s = results[idev][0].stats
         print(f"{k:>2} {m:>5} {med[ih]:>10.1f} {fmt_spread(tok_s[idev], 24)} {med[idev] / med[ih]:>8.2f} "
               f"{med[idev] / med[chain_i]:>10.2f} {med[idev] / off_dev:>8.2f} {s.speculation.mean_accept_len:>8.2f} "
-              f"{chain.speculation.mean_accept_len:>14.2f} {host_rec['draft_s']:>8.3f} {host_rec['verify_s']:>8.3f}  "
-              f"{'yes' if same else 'NO'}")
+              f"{chain.speculation.mean_accept_len:>14.2f} {_fmt_experts(host_rec['experts_per_pass'])} "
+              f"{host_rec['draft_s']:>8.3f} {host_rec['verify_s']:>8.3f}  {'yes' if same else 'NO':>11}  "
+              f"{_by_position(s.speculation.accept_per_depth)}")
     print("tree rows: batched tree verify with `nodes` draft nodes of depth <= k; tree/chain and tree/off: the "
           "device loop over the device-loop chain at the same k and MTP off; tok/pass: accepted + 1 per trunk "
-          "pass; draft_s / verify_s: of the host-loop run.")
+          "pass; experts/pass: as the chain's, over every node's row; draft_s / verify_s: of the host-loop run; "
+          "accept by depth: of the passes whose tree reached depth i, those that accepted >= i tokens.")
 
 
 def _draft_step_timing(engine, ids, vocabs: list[int], path: Path) -> list[dict]:
@@ -395,40 +452,46 @@ def _chain_record(path: Path, k: int, outs, base, tok_s: list[float], records: l
     return same
 
 
-def _draft_vocab_rows(path: Path, ks, vocabs, configs, indices: range, results, tok_s, med, records) -> None:
+def _draft_vocab_rows(path: Path, ks, vocabs, configs, indices: range, results, tok_s, med, records,
+                      experts: dict) -> None:
     """Chain k with each draft vocabulary on the device loop, beside the full head's device-loop row."""
     base = results[0][0]
     print(f"\n{'k':>2} {'draft_vocab':>11} {'tok/s [min-max]':>24} {'vs full':>7} {'accept':>7} {'full accept':>11} "
-          f"{'tok/pass':>8}  same tokens")
+          f"{'tok/pass':>8} {'experts/pass':>12}  same tokens  accept by position")
     for j in indices:
         k, v = configs[j]["draft_tokens"], configs[j]["draft_vocab"]
         full_i = 2 + 3 * ks.index(k) + 2  # the full head's device-loop chain row
         s, fs = results[j][0].stats, results[full_i][0].stats
+        epp = experts.get(_key(configs[j]))
         same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_vocab=v,
-                             full_acceptance_rate=fs.speculation.acceptance_rate)
+                             full_acceptance_rate=fs.speculation.acceptance_rate, experts_per_pass=epp)
         spec = s.speculation
         print(f"{k:>2} {v:>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>7.2f} {spec.acceptance_rate:>7.1%} "
-              f"{fs.speculation.acceptance_rate:>11.1%} {spec.mean_accept_len:>8.2f}  {'yes' if same else 'NO'}")
+              f"{fs.speculation.acceptance_rate:>11.1%} {spec.mean_accept_len:>8.2f} {_fmt_experts(epp)}  "
+              f"{'yes' if same else 'NO':>11}  {_by_position(spec.accept_per_position)}")
     print("draft_vocab rows: device loop; vs full: tok/s over the full head's device-loop chain at the same k; "
           "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
 
 
-def _p_min_rows(path: Path, ks, vocabs, dv_first, configs, indices: range, results, tok_s, med, records) -> None:
+def _p_min_rows(path: Path, ks, vocabs, dv_first, configs, indices: range, results, tok_s, med, records,
+                experts: dict) -> None:
     """Chain k with an adaptive length (draft_p_min) on the device loop, beside the always-k device chain with
     the same draft vocabulary (full head or --draft_vocab)."""
     base = results[0][0]
     print(f"\n{'k':>2} {'p_min':>6} {'draft_vocab':>11} {'tok/s [min-max]':>24} {'vs k':>6} {'drafts/pass':>11} "
-          f"{'tok/pass':>8} {'accept':>7}  same tokens")
+          f"{'tok/pass':>8} {'accept':>7} {'experts/pass':>12}  same tokens  accept by position")
     for j in indices:
         k, p, v = configs[j]["draft_tokens"], configs[j]["draft_p_min"], configs[j].get("draft_vocab")
         # the always-k device-loop chain row with the same draft vocabulary
         own_i = 2 + 3 * ks.index(k) + 2 if v is None else dv_first + ks.index(k) * len(vocabs) + vocabs.index(v)
         s = results[j][0].stats.speculation
         per_pass = s.drafted / max(1, s.verify_passes)
+        epp = experts.get(_key(configs[j]))
         same = _chain_record(path, k, results[j], base, tok_s[j], records, draft_p_min=p, drafts_per_pass=per_pass,
-                             **({} if v is None else {"draft_vocab": v}))
+                             experts_per_pass=epp, **({} if v is None else {"draft_vocab": v}))
         print(f"{k:>2} {p:>6.2f} {v or 'full':>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[own_i]:>6.2f} "
-              f"{per_pass:>11.2f} {s.mean_accept_len:>8.2f} {s.acceptance_rate:>7.1%}  {'yes' if same else 'NO'}")
+              f"{per_pass:>11.2f} {s.mean_accept_len:>8.2f} {s.acceptance_rate:>7.1%} {_fmt_experts(epp)}  "
+              f"{'yes' if same else 'NO':>11}  {_by_position(s.accept_per_position)}")
     print("p_min rows: device loop; vs k: tok/s over the always-k chain at the same k and draft vocabulary; "
           "drafts/pass: drafts verified per trunk pass (k at most).")
 

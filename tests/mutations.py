@@ -836,6 +836,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_options.py", "-k", "bad_values"),
     ),
     Mutation(
+        "pass_experts_rejected_rows_from_the_sequence",
+        "bench_verify prints the distinct routed experts a verify pass reads, its rejected drafts' rows included",
+        "experiments/pass_experts.py",
+        (("            if seq[p.P:pos + 1] == branch:  # the node lies on the generated sequence\n",
+          "            if pos < len(seq):  # MUTATION: a rejected row routed as the generated token there\n"),),
+        ("tests/experiments/test_pass_experts.py",),
+    ),
+    Mutation(
         "llama_bin_flattened_links_used_as_is",
         "the benchmarks' --llama_bin mirrors a bin directory whose library links were flattened into text files",
         "experiments/llama_cpp_side.py",

@@ -458,6 +458,9 @@ def test_bench_verify(runs, request):
     for tree in recs[5:7]:
         assert tree["speculative"] == "mtp_tree" and tree["tree_nodes"] == 2 and len(tree["accept_per_depth"]) == 1
     assert recs[5]["accepted"] == recs[6]["accepted"] and "draft_s" in recs[5]  # same passes on both loops
+    for r in recs[2:] + pm:  # distinct experts a pass's rows read per layer (top-4 routing, <= k + 1 rows)
+        assert 4 <= r["experts_per_pass"] <= 4 * (r["draft_tokens"] + 1 if r["speculative"] == "mtp" else 3)
+    assert "experts/pass" in res.stdout and "accept by position" in res.stdout
     assert [(r["draft_tokens"], r["draft_p_min"]) for r in pm] == [(1, 0.5)] and pm[0]["same_tokens_as_off"]
     assert 0 <= pm[0]["drafts_per_pass"] <= 1 and "p_min rows" in res.stdout
     assert "tree/chain" in res.stdout
