@@ -4,8 +4,8 @@ pass costs in expert bytes beside the tokens it yields (an MTP-off step reads to
 `pass_rows(engine, ids, n, **kw)` runs the generation once on the host loop (greedy, batched verify,
 the same drafts as the device loop: both loops give the same tokens) and keeps each pass's verify rows:
 their tokens, positions and, for a tree, parents. `experts_per_pass(engine, ids, run)` routes every row
-of every pass teacher-forced (`runtime.routing.trace_routing`: the trunk's own router, row by row's
-context): rows on the generated sequence from one trace of it, a rejected draft's rows (and a tree's
+of every pass teacher-forced (`runtime.routing.trace_routing`: the trunk's own router, each row seeing
+its own prefix): rows on the generated sequence from one trace of it, a rejected draft's rows (and a tree's
 off-path branches) from a trace of the committed prefix plus that branch. A replay can differ from the
 pass in the last bits, so an expert choice at a near-tie of router probabilities may differ; the count
 is a measurement aid, not a bitwise claim. Traces are padded to one length, so one compilation serves
