@@ -9,7 +9,8 @@ its own prefix): rows on the generated sequence from one trace of it, a rejected
 off-path branches) from a trace of the committed prefix plus that branch. A replay can differ from the
 pass in the last bits, so an expert choice at a near-tie of router probabilities may differ; the count
 is a measurement aid, not a bitwise claim. Traces are padded to one length, so one compilation serves
-every pass (rows are causal: padding after a row does not change its routing).
+every pass (rows are causal: padding after a row does not change its routing). The single-pass timing's
+fixed rows (`--pass_widths`) have their own count: `pass_timing.experts_per_width`.
 """
 
 from __future__ import annotations

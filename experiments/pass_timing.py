@@ -58,7 +58,7 @@ def loop_pass(rt, tokens, P: int, parent: np.ndarray | None = None):
     return chain if parent is None else tree
 
 
-def experts_per_pass(engine, ids: Sequence[int], widths: Sequence[int]) -> dict[int, float] | None:
+def experts_per_width(engine, ids: Sequence[int], widths: Sequence[int]) -> dict[int, float] | None:
     """Distinct routed experts the rows of each width's pass select, mean over the MoE layers (None for a
     dense model): one teacher-forced routing trace of ids + the widest pass's rows."""
     c = engine.config
@@ -80,7 +80,7 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
     """One record per width w: decode_ms, chain_ms, tree_ms (median/min/max/runs of `repeats` calls at the
     prompt's end), the ratios to decode_ms and, for a MoE, experts_per_pass (distinct experts of the w
     rows, mean over layers). w = 1 is the decode step itself."""
-    experts = experts_per_pass(engine, ids, widths)
+    experts = experts_per_width(engine, ids, widths)
     rt = engine.runtime
     _, _, state = rt.prefill(rt.new_state(), ids)
     P = len(ids)
