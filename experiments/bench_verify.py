@@ -341,7 +341,7 @@ def _tree_rows(path: Path, trees, ks, results, tok_s, med, records, experts: dic
                    "chain_mean_accept_len": chain.speculation.mean_accept_len,
                    **_picked(s, ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted", "accepted",
                                  "verify_passes", "generated_tokens", "snapshot_bytes_per_node")),
-                   "experts_per_pass": experts.get(("mtp_tree", k, m, None, None))}
+                   "experts_per_pass": experts.get(_key(dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m)))}
             put_spread(rec, "decode_tok_s", tok_s[i])
             if i == ih:  # one device program has no draft / verify split
                 put_spread(rec, "draft_s", [o.stats.speculation.draft_s for o in results[i]], runs=False)
