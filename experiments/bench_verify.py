@@ -51,8 +51,8 @@ flags.DEFINE_list("tree_nodes", ["8"], "Tree speculation rows: draft nodes per p
 flags.DEFINE_list("pass_widths", [], "Rows w of the single-pass timing (chain and tree pass vs one decode step).")
 flags.DEFINE_bool("pass_only", False, "Only the single-pass timing (--pass_widths), no generation runs.")
 flags.DEFINE_list("draft_vocab", [], "Draft vocabulary sizes N: time one MTP draft step over the N best-ranked ids "
-                  "against the full head, and (unless --draft_step_only) run the chain k with draft_vocab=N on the "
-                  "device loop, acceptance beside the full head's.")
+                  "against the full head, and (unless --draft_step_only) run the chain k and the trees with "
+                  "draft_vocab=N on the device loop, acceptance beside the full head's.")
 flags.DEFINE_list("p_mins", [], "Adaptive chain length (draft_p_min) values: run the chain k with each on the "
                   "device loop, beside the always-k chain (drafts per pass, tokens per pass, tok/s); with "
                   "--draft_vocab also with each draft vocabulary.")
@@ -164,6 +164,9 @@ def main(argv) -> int:
     dv_first = len(configs)
     configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_vocab=v)
                 for k in ks for v in vocabs]
+    tdv_first = len(configs)  # the trees with each draft vocabulary
+    configs += [dict(speculative="mtp_tree", draft_tokens=k, tree_nodes=m, verify="batched", loop="device",
+                     draft_vocab=v) for k, m in trees for v in vocabs]
     pm_first = len(configs)
     # With --draft_vocab, each p_min runs with each draft vocabulary too (the levers combined).
     configs += [dict(speculative="mtp", draft_tokens=k, verify="batched", loop="device", draft_p_min=float(p),
@@ -254,8 +257,11 @@ def main(argv) -> int:
     if trees:
         _tree_rows(path, trees, ks, results, tok_s, med, records, experts)
     if vocabs:
-        _draft_vocab_rows(path, ks, vocabs, configs, range(dv_first, pm_first), results, tok_s, med, records,
+        _draft_vocab_rows(path, ks, vocabs, configs, range(dv_first, tdv_first), results, tok_s, med, records,
                           experts)
+    if vocabs and trees:
+        _tree_draft_vocab_rows(path, ks, trees, vocabs, dv_first, configs, range(tdv_first, pm_first), results,
+                               tok_s, med, records, experts)
     if FLAGS.p_mins:
         _p_min_rows(path, ks, vocabs, dv_first, configs, range(pm_first, vh_first), results, tok_s, med, records,
                     experts)
@@ -471,6 +477,36 @@ def _draft_vocab_rows(path: Path, ks, vocabs, configs, indices: range, results, 
               f"{'yes' if same else 'NO':>11}  {_by_position(spec.accept_per_position)}")
     print("draft_vocab rows: device loop; vs full: tok/s over the full head's device-loop chain at the same k; "
           "accept: accepted / drafted with the draft vocabulary, full accept: with the full head.")
+
+
+def _tree_draft_vocab_rows(path: Path, ks, trees, vocabs, dv_first, configs, indices: range, results, tok_s, med,
+                           records, experts: dict) -> None:
+    """Trees with each draft vocabulary on the device loop, beside the full head's device-loop tree and the
+    device-loop chain of the same depth and draft vocabulary."""
+    base, off_dev = results[0][0], med[1]
+    print(f"\n{'k':>2} {'nodes':>5} {'draft_vocab':>11} {'tok/s [min-max]':>24} {'vs full':>7} {'tree/chain':>10} "
+          f"{'tree/off':>8} {'tok/pass':>8} {'chain tok/pass':>14} {'experts/pass':>12}  same tokens  accept by depth")
+    first = 2 + 3 * len(ks)
+    for j in indices:
+        k, m, v = configs[j]["draft_tokens"], configs[j]["tree_nodes"], configs[j]["draft_vocab"]
+        full_i = first + 2 * trees.index((k, m)) + 1  # the full head's device-loop tree row
+        chain_i = dv_first + ks.index(k) * len(vocabs) + vocabs.index(v)  # the chain with this draft vocabulary
+        s, cs = results[j][0].stats.speculation, results[chain_i][0].stats.speculation
+        same = all(o.tokens == base.tokens for o in results[j])
+        epp = experts.get(_key(configs[j]))
+        rec = {"model": path.stem, "speculative": "mtp_tree", "draft_tokens": k, "tree_nodes": m, "draft_vocab": v,
+               "verify": "batched", "loop": "device", "same_tokens_as_off": same, "repeats": FLAGS.repeats,
+               "chain_mean_accept_len": cs.mean_accept_len, "experts_per_pass": epp,
+               **_picked(results[j][0].stats, ("accept_per_depth", "acceptance_rate", "mean_accept_len", "drafted",
+                                               "accepted", "verify_passes", "generated_tokens"))}
+        put_spread(rec, "decode_tok_s", tok_s[j])
+        records.append(rec)
+        print(f"{k:>2} {m:>5} {v:>11} {fmt_spread(tok_s[j], 24)} {med[j] / med[full_i]:>7.2f} "
+              f"{med[j] / med[chain_i]:>10.2f} {med[j] / off_dev:>8.2f} {s.mean_accept_len:>8.2f} "
+              f"{cs.mean_accept_len:>14.2f} {_fmt_experts(epp)}  {'yes' if same else 'NO':>11}  "
+              f"{_by_position(s.accept_per_depth)}")
+    print("tree draft_vocab rows: device loop; vs full: tok/s over the full head's device-loop tree; tree/chain: "
+          "over the device-loop chain of the same k and draft vocabulary; tree/off: over device-loop MTP off.")
 
 
 def _p_min_rows(path: Path, ks, vocabs, dv_first, configs, indices: range, results, tok_s, med, records,

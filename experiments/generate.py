@@ -16,7 +16,7 @@ MTP are each warmed up (compilation excluded), then --repeats interleaved rounds
 chain, the tree of the same depth (--tree_nodes, default 8) is timed in the same rounds and printed
 beside it (--nocompare_tree: not). --loop picks the device loop (default) or the host loop. The
 text and stats shown are those of the first timed MTP run. With --json the object gets "compare".
---draft_vocab applies to the chain only (MTP off and the tree beside it run without it).
+--draft_vocab applies to the chain and the tree (the tree timed beside the chain drafts over it too).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ flags.DEFINE_enum("loop", "device", ["device", "host"], "device: the decode loop
                   "the device; host: one jitted call per step / pass from Python (the sequential reference).")
 flags.DEFINE_float("draft_p_min", 0.0, "mtp: stop a pass's chain before the first draft the MTP head gives a "
                    "probability below this (llama.cpp's --draft-p-min; 0: always --draft_tokens drafts).")
-flags.DEFINE_integer("draft_vocab", None, "mtp: the chain drafts over the N best-ranked token ids only (the file's "
-                     "calibrated ranking, else id order); verification uses the full head, so the tokens are "
-                     "unchanged.")
+flags.DEFINE_integer("draft_vocab", None, "mtp / mtp_tree: the MTP head drafts over the N best-ranked token ids "
+                     "only (the file's calibrated ranking, else id order); verification uses the full head, so the "
+                     "tokens are unchanged.")
 flags.DEFINE_integer("tree_nodes", None, "mtp_tree: draft nodes per trunk pass (default max(8, draft_tokens)).")
 flags.DEFINE_integer("max_snapshot_bytes", None, "mtp_tree: cap on the GDN snapshot bytes a pass keeps (one "
                      "snapshot per node; lowers tree_nodes).")
@@ -147,7 +147,9 @@ def _print_stats(stats) -> None:
         print(f"[MTP tree depth {spec.draft_tokens}, {spec.tree_nodes} nodes ({spec.verify} verify): "
               f"{spec.accepted}/{spec.drafted} nodes accepted, {spec.mean_accept_len:.2f} tokens per trunk pass, "
               f"per depth {', '.join(f'{x:.2f}' for x in spec.accept_per_depth)}; "
-              f"{spec.snapshot_bytes_per_node} snapshot bytes per node]", file=sys.stderr)
+              f"{spec.snapshot_bytes_per_node} snapshot bytes per node"
+              + (f"; draft vocabulary {spec.draft_vocab} ids ranked by {spec.draft_vocab_ranking}"
+                 if spec.draft_vocab else "") + "]", file=sys.stderr)
     if kv is not None and kv.evicted:
         print(f"[SnapKV: {kv.evicted} prompt positions evicted per attention layer and KV head; "
               f"{kv.slots} of {kv.capacity} KV slots in use at the end]", file=sys.stderr)
@@ -215,7 +217,8 @@ def _compare(engine, opts):
     modes = [dataclasses.replace(opts, speculation=None), opts]
     tree = isinstance(opts.speculation, Chain) and FLAGS.compare_tree
     if tree:
-        modes.append(dataclasses.replace(opts, speculation=Tree(opts.draft_tokens, FLAGS.tree_nodes)))
+        modes.append(dataclasses.replace(opts, speculation=Tree(opts.draft_tokens, FLAGS.tree_nodes,
+                                                                draft_vocab=opts.speculation.draft_vocab)))
     quiet = FLAGS.json
 
     def run(o):

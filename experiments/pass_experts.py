@@ -69,7 +69,7 @@ def pass_rows(engine, ids: Sequence[int], n: int, speculative: str = "mtp", draf
                               trace=trace, vocab=engine.mtp.draft_vocab(draft_vocab), p_min=draft_p_min)
     else:
         out, _ = generate_tree(engine.runtime, engine.mtp, ids, n, SamplingParams(), (), draft_tokens,
-                               tree_nodes or 8, "batched", trace=trace)
+                               tree_nodes or 8, "batched", trace=trace, vocab=engine.mtp.draft_vocab(draft_vocab))
     passes, P = [], len(ids)  # the first pass's certain token is the prefill's, at position len(ids)
     for toks, parent, path in trace:
         passes.append(Pass(toks, P, parent, path))

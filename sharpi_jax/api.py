@@ -469,7 +469,8 @@ class Engine:
     @staticmethod
     def _draft_vocab(opts: GenerateOptions, mtp: MTPRuntime | None) -> draft_vocab.DraftVocab | None:
         spec = opts.speculation
-        return mtp.draft_vocab(spec.draft_vocab) if isinstance(spec, Chain) and spec.draft_vocab is not None else None
+        n = getattr(spec, "draft_vocab", None)  # a Chain's or a Tree's
+        return mtp.draft_vocab(n) if n is not None else None
 
     def generate_with(self, ids_or_text: Any, opts: GenerateOptions,
                       resume: session_state.Resume | None = None) -> GenerateOutput:

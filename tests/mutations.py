@@ -93,9 +93,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "batch_stopped_tree_still_drafts",
         "generate_batch: a stopped sequence's rows are padding that reads no expert (the tree's MTP head)",
         "sharpi_jax/runtime/tree_device.py",
-        (("    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live)\n"
+        (("    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live, vocab)\n"
           "    depth, n_nodes = depth * live, n_nodes * live\n",
-          "    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c)  # MUTATION\n"),),
+          "    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c, True,\n"
+          "                                        vocab)  # MUTATION\n"),),
         ("tests/runtime/test_batch.py::test_stopped_tree_sequence_computes_no_rows",),
     ),
     Mutation(
@@ -676,6 +677,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_draft_vocab.py::test_subset_head_is_the_full_head_restricted",),
     ),
     Mutation(
+        "tree_draft_vocab_ids_unmapped",
+        "a tree with draft_vocab=N: its candidates are the subset's top ranks mapped back to token ids",
+        "sharpi_jax/runtime/tree_draft.py",
+        (("        if vocab is not None:\n            idx = vocab.ids[idx]\n",
+          "        pass  # MUTATION: subset ranks taken as token ids\n"),),
+        ("tests/runtime/test_tree.py::test_tree_with_a_draft_vocabulary",),
+    ),
+    Mutation(
+        "tree_device_levels_ignore_draft_vocab",
+        "a tree with draft_vocab=N on the device loop: every level call drafts over the subset, as the host's",
+        "sharpi_jax/runtime/tree_device.py",
+        (("            return level(params, cache, btok, prev_hp, pidx, base, nb, bdepth, slots, anc, c, vocab)\n",
+          "            return level(params, cache, btok, prev_hp, pidx, base, nb, bdepth, slots, anc, c, None)  # MUTATION\n"),),
+        ("tests/runtime/test_tree.py::test_tree_with_a_draft_vocabulary",),
+    ),
+    Mutation(
         "pallas_reduce_drops_last_rank",
         "pallas (interpret on CPU) matches the reference: the weighted top-k reduce kernel",
         "pallas_kernels/weighted_reduce/kernel.py",
@@ -815,8 +832,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "shortcut_tree_nodes_dropped",
         "keyword shortcuts build the same typed options as the types written out",
         "sharpi_jax/runtime/options.py",
-        (("            spec = Tree(draft_tokens, tree_nodes, max_snapshot_bytes)\n",
-          "            spec = Tree(draft_tokens, None, max_snapshot_bytes)  # MUTATION: tree_nodes ignored\n"),),
+        (("            spec = Tree(draft_tokens, tree_nodes, max_snapshot_bytes, draft_vocab)\n",
+          "            spec = Tree(draft_tokens, None, max_snapshot_bytes, draft_vocab)  # MUTATION: tree_nodes ignored\n"),),
         ("tests/runtime/test_options.py", "-k", "shortcuts"),
     ),
     Mutation(

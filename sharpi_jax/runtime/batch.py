@@ -67,7 +67,7 @@ def generate_batch(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[S
                    stop_ids: Collection[int] = (), vocab: DraftVocab | None = None,
                    seeds: Sequence[int] | None = None) -> list[Generation]:
     """Generate after each of `prompts` (validated token ids) with `opts` (device loop; mtp: the MTP
-    head's runtime for opts.speculative, else None; vocab: the chain's draft vocabulary; seeds: one
+    head's runtime for opts.speculative, else None; vocab: the draft vocabulary; seeds: one
     sampling seed per sequence, default opts.sampling.seed for all). Returns one `Generation` per prompt,
     in order: its tokens, its own stats (prompt_tokens, generated_tokens, stop_reason, prefill_s and
     the speculative pass stats) and the batch's (batch, batch_decode_s, batch_decode_tok_s: all
@@ -113,7 +113,7 @@ def _prefill_each(runtime: Runtime, mtp: MTPRuntime | None, prompts: Sequence[Se
             decs.append(dec)
         else:
             dec = TreeDecoder(runtime, mtp, o.draft_tokens, o.speculation.nodes, "batched",
-                              max_snapshot_bytes=o.speculation.max_snapshot_bytes)
+                              max_snapshot_bytes=o.speculation.max_snapshot_bytes, vocab=vocab)
             logits = dec.prefill(ids)
             decs.append(dec)
         jax.block_until_ready(logits)
@@ -154,7 +154,7 @@ def _decode_loop(runtime: Runtime, mtp: MTPRuntime | None, decs: list, logits, P
             runtime.params, runtime.cache, mtp.params, _stack([d.state for d in decs]),
             _stack([d.cache for d in decs]), logits, _stack([d.h_prev for d in decs]), P,
             np.int32(o.max_new_tokens), np.int32(runtime.max_context), np.int32(d0.last_position()), eos, sampling,
-            out0, None, K=d0.k, N=d0.n_nodes, c=d0.drafter.c, greedy=o.sampling.greedy)
+            out0, None, vocab, K=d0.k, N=d0.n_nodes, c=d0.drafter.c, greedy=o.sampling.greedy)
     return out, n, code, end, counts
 
 
@@ -174,7 +174,7 @@ def _add_pass_stats(stats: dict, runtime: Runtime, o: GenerateOptions, vocab: Dr
         m = 0 if counts is None else int(counts["passes"][b])
         passes = [] if m == 0 else list(zip(*(counts[key][b][:m].tolist() for key in ("nodes", "depth", "acc"))))
         stats.update(speculative="mtp_tree", draft_tokens=o.draft_tokens, tree_nodes=dec.n_nodes,
-                     verify="batched", **pass_stats(o.draft_tokens, pass_counts(o.draft_tokens, passes),
+                     verify="batched", draft_vocab=None if vocab is None else vocab.size, **pass_stats(o.draft_tokens, pass_counts(o.draft_tokens, passes),
                                                     "accept_per_depth"),
                      drafted_nodes=[x for x, _, _ in passes],
                      snapshot_bytes_per_node=snapshot_bytes_per_node(runtime.config))

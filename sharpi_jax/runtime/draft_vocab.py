@@ -119,8 +119,13 @@ class DraftVocab:
     def logits(self, h2: jax.Array, rows: jax.Array | int = 1) -> jax.Array:
         """The subset's logits [N] of row 0 of a 2-row bucket h2 [2, D] (in `ids` order); rows=0: row 0 is
         padding too (a finished sequence of a batch)."""
-        ys = [matmul(h2, p, rows=rows) for p in self.parts]  # row 1 is padding
-        return (ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1))[0]
+        return self.logits_rows(h2, rows)[0]  # row 1 is padding
+
+    def logits_rows(self, h: jax.Array, rows: jax.Array | int) -> jax.Array:
+        """The subset's logits [R, N] of rows h [R >= 2, D] (in `ids` order); only rows [0, rows) are needed
+        (the tree drafter's level calls: a beam of rows)."""
+        ys = [matmul(h, p, rows=rows) for p in self.parts]
+        return ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
 
     def token(self, logits: jax.Array) -> jax.Array:
         """The token id of the subset's argmax (the lowest id on ties, as the full head's argmax)."""

@@ -2,7 +2,8 @@
 `InputError`s naming the field:
 
 - `Chain(k, draft_vocab, p_min)`: MTP speculative decoding, a chain of k drafts per trunk pass;
-- `Tree(depth, nodes, max_snapshot_bytes)`: MTP speculative decoding, a draft tree per trunk pass;
+- `Tree(depth, nodes, max_snapshot_bytes, draft_vocab)`: MTP speculative decoding, a draft tree per trunk
+  pass;
 - `GenerateOptions(max_new_tokens, sampling, stop_on_eos, speculation, verify, loop, kv)`: everything
   else, `speculation` one of the two above or None (MTP off).
 
@@ -71,11 +72,14 @@ class Tree:
     verified in one pass (`sharpi_jax.runtime.tree`).
 
     depth: the tree's depth (>= 1). nodes: draft nodes per pass (default max(8, depth); >= depth).
-    max_snapshot_bytes: a cap on the GDN snapshots a pass keeps (one per node), met by lowering nodes."""
+    max_snapshot_bytes: a cap on the GDN snapshots a pass keeps (one per node), met by lowering nodes.
+    draft_vocab: every drafting call's head over the N best-ranked token ids only, as `Chain.draft_vocab`
+    (N >= the tree's children per node, min(8, nodes - depth + 1)); the tokens are unchanged."""
 
     depth: int = 3
     nodes: int | None = None
     max_snapshot_bytes: int | None = None
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "depth", _positive("Tree.depth (draft_tokens)", self.depth, allow_none=False))
@@ -86,6 +90,7 @@ class Tree:
                              f"nodes={self.nodes}")
         object.__setattr__(self, "max_snapshot_bytes",
                            _positive("Tree.max_snapshot_bytes", self.max_snapshot_bytes))
+        object.__setattr__(self, "draft_vocab", _positive("Tree.draft_vocab", self.draft_vocab))
 
 
 Speculation = Union[Chain, Tree, None]
@@ -132,18 +137,20 @@ class GenerateOptions:
                       draft_p_min: float = 0.0, kv: Any = ENGINE_KV) -> "GenerateOptions":
         """The keyword shortcuts of `Engine.generate` as the typed options: speculative None | "mtp" (a
         `Chain(draft_tokens, draft_vocab, draft_p_min)`) | "mtp_tree" (a `Tree(draft_tokens, tree_nodes,
-        max_snapshot_bytes)`); a mode's keyword given with another mode is an error."""
+        max_snapshot_bytes, draft_vocab)`); a mode's keyword given with another mode is an error."""
         if speculative not in SPECULATIVE_NAMES:
             raise InputError(f"speculative must be one of {SPECULATIVE_NAMES}, got {shown(speculative)}")
         if speculative != "mtp_tree" and (tree_nodes is not None or max_snapshot_bytes is not None):
             raise InputError("tree_nodes and max_snapshot_bytes apply to speculative='mtp_tree' only")
-        if speculative != "mtp" and (draft_vocab is not None or not _is_zero(draft_p_min)):
-            raise InputError("draft_vocab and draft_p_min apply to speculative='mtp' (the chain) only")
+        if speculative != "mtp" and not _is_zero(draft_p_min):
+            raise InputError("draft_p_min applies to speculative='mtp' (the chain) only")
+        if speculative is None and draft_vocab is not None:
+            raise InputError("draft_vocab applies to speculative='mtp' or 'mtp_tree' only")
         spec: Speculation = None
         if speculative == "mtp":
             spec = Chain(draft_tokens, draft_vocab, draft_p_min)
         elif speculative == "mtp_tree":
-            spec = Tree(draft_tokens, tree_nodes, max_snapshot_bytes)
+            spec = Tree(draft_tokens, tree_nodes, max_snapshot_bytes, draft_vocab)
         else:
             _positive("draft_tokens", draft_tokens, allow_none=False)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)

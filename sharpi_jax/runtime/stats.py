@@ -55,9 +55,9 @@ class Speculation:
     # the rest of decode_s is host bookkeeping.
     draft_s: float | None = None
     verify_s: float | None = None
-    # Chain (always reported there, None included): the draft vocabulary's size N (None: the full
-    # vocabulary) and the adaptive chain length's p_min (None: off; a pass stops drafting before the
-    # first draft whose MTP probability is below it).
+    # The draft vocabulary's size N (None: the full vocabulary; chain and tree) and the chain's adaptive
+    # length p_min (None: off; a pass stops drafting before the first draft whose MTP probability is
+    # below it). Both always reported on a chain, None included.
     draft_vocab: int | None = None
     draft_p_min: float | None = None
     draft_vocab_ranking: str | None = None  # with a draft vocabulary: the ranking's file, or the fallback's name

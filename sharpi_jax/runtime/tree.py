@@ -36,6 +36,7 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.model.cache import cache_shapes
 from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime.decoder import Decoder, Verdict, argmax_rows, stack_rows
+from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.mtp import Draft, MTPRuntime
 from sharpi_jax.runtime.sampling import sample
 from sharpi_jax.runtime.state import gdn_caches, move_kv_rows, select_snapshot
@@ -70,7 +71,8 @@ def _commit(state, snaps, index, src, dst0, n):
 
 class TreeDecoder(Decoder):
     """The tree pass on the decoder skeleton (see the module docstring): trees of at most tree_nodes
-    (after the memory cap) nodes and depth draft_tokens from a `TreeDrafter`.
+    (after the memory cap) nodes and depth draft_tokens from a `TreeDrafter` (over `vocab`'s ids only when
+    given: a draft vocabulary).
 
     `trace` (a list, optional) receives one dict per pass: tokens, parent, depth [n] of the tree, and
     for the rows computed (batched: all n nodes; sequential: the accepted path) rows [m] (node
@@ -80,7 +82,7 @@ class TreeDecoder(Decoder):
 
     def __init__(self, runtime: Runtime, mtp: MTPRuntime, draft_tokens: int, tree_nodes: int,
                  verify: str = "batched", trace: list | None = None, max_snapshot_bytes: int | None = None,
-                 kv: SnapKV | None = None, kv_capacity: int | None = None):
+                 kv: SnapKV | None = None, kv_capacity: int | None = None, vocab: DraftVocab | None = None):
         super().__init__(runtime, mtp, draft_tokens, verify, trace, kv=kv, kv_capacity=kv_capacity)
         k, n = self.k, int(tree_nodes)
         assert 1 <= k <= n, (k, n)  # checked in `options.GenerateOptions`
@@ -91,7 +93,7 @@ class TreeDecoder(Decoder):
         self.K, self.nodes = k, capped
         self.n_nodes = self.max_nodes = capped  # n_nodes: the most drafts a pass holds, after the memory cap
         self.T = capped + 1  # trunk rows per pass (root + nodes)
-        self.drafter = TreeDrafter(mtp, k, capped)
+        self.drafter = TreeDrafter(mtp, k, capped, vocab)
 
     def _draft(self, tokens, start, n_valid, depth, n_nodes) -> Draft:
         return self.drafter.draft(self.cache, tokens, self.h_prev, self._hidden, start, n_valid, depth, n_nodes)

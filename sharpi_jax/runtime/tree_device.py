@@ -39,16 +39,17 @@ def _last(flag):
 
 
 def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_valid, depth, n_nodes, *,
-               K: int, N: int, c: int, S, live=True):
+               K: int, N: int, c: int, S, live=True, vocab=None):
     """One tree draft (root call with the MTP catch-up, then up to K - 1 level calls), `TreeDrafter.draft`
     on device. root / level: the jitted calls of `tree_draft._tree_mtp_fns`; N: the most drafts a pass
     holds; S: where the MTP cache's slots end, as a position (its length + shift); live False: a stopped
     sequence of a batch, whose root rows are padding and whose tree is the root alone (no level call
-    computes a row). Returns a `DeviceTree`."""
+    computes a row); vocab: the draft vocabulary (`draft_vocab.DraftVocab`), None: the full head. Returns a
+    `DeviceTree`."""
     B = max(2, c)
     W = max(1, K)
     Nc = 1 + c + (K - 1) * c * c
-    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live)
+    idx, lp, prev_hp, cache, h_t = root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live, vocab)
     depth, n_nodes = depth * live, n_nodes * live
     cand = jnp.arange(Nc, dtype=jnp.int32)
     j_of = jnp.arange(c, dtype=jnp.int32)
@@ -87,7 +88,7 @@ def draft_tree(root, level, params, cache, tokens, h_prev, hidden, start, n_vali
         anc = _ancestor_slots(jnp.broadcast_to(base + cols, (B, W)), d, sel, bvalid, slot, par, S)
 
         def run(cache, prev_hp, btok=btok, pidx=pidx, bdepth=bdepth, slots=slots, anc=anc, nb=nb):
-            return level(params, cache, btok, prev_hp, pidx, base, nb, bdepth, slots, anc, c)
+            return level(params, cache, btok, prev_hp, pidx, base, nb, bdepth, slots, anc, c, vocab)
 
         def skip(cache, prev_hp):
             return (jnp.zeros((B, c), jnp.int32), jnp.zeros((B, c), jnp.float32), prev_hp, cache)

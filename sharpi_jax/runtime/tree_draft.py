@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharpi_jax.model.tree import TreeRows
+from sharpi_jax.errors import InputError
 from sharpi_jax.runtime.compiled import Graph, jit_factory
+from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.mtp import Draft, MTPRuntime
 
 MAX_BRANCH = 8  # children per expanded node and expanded nodes per depth, at most
@@ -52,13 +54,17 @@ def _tree_mtp_fns(graph: Graph) -> dict:
     """Jitted MTP tree-drafting calls of one head graph (`compiled.jit_factory`): root, level."""
     merge = graph.merge
 
-    def top(mtp, hp, c, rows=None):
-        logits = mtp.logits(hp, rows)
+    def top(mtp, hp, c, rows, vocab):
+        # vocab (a `draft_vocab.DraftVocab`): the head over its N ids only, log-probs under its softmax,
+        # ranks mapped back to token ids (ascending ids: the lowest id still wins a tie, as the chain's)
+        logits = mtp.logits(hp, rows) if vocab is None else vocab.logits_rows(hp, rows)
         _, idx = jax.lax.top_k(logits, c)  # idx[:, 0] is the argmax (lowest index on ties), as the chain's
         lp = jnp.take_along_axis(jax.nn.log_softmax(logits), idx, axis=1)
+        if vocab is not None:
+            idx = vocab.ids[idx]
         return idx.astype(jnp.int32), lp
 
-    def root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live=True):
+    def root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live=True, vocab=None):
         # live False (a stopped sequence of a batch, `runtime.batch`): every row is padding (no product
         # row, no expert read); the results are discarded.
         mtp = merge(params)
@@ -67,16 +73,16 @@ def _tree_mtp_fns(graph: Graph) -> dict:
         hp, cache = mtp(tokens, hs, start, n_valid * live, cache)
         last = n_valid - 1  # the certain token's row
         h = jax.lax.dynamic_index_in_dim(hp, last, keepdims=False)
-        idx, lp = top(mtp, jnp.stack([h, h]), c, live)  # a 2-row bucket (row 1 padding): the row-stable kernel
+        idx, lp = top(mtp, jnp.stack([h, h]), c, live, vocab)  # a 2-row bucket (row 1 padding): row-stable
         h_t = jax.lax.dynamic_index_in_dim(hs, last, keepdims=False)
         rows = jnp.broadcast_to(h, (max(2, c), h.shape[0]))  # the parent rows of depth 1 (level calls)
         return Expansion(idx[0], lp[0], rows, cache, h_t)
 
-    def level(params, cache, tokens, prev_hp, pidx, base, n_valid, depth, slots, anc, c):
+    def level(params, cache, tokens, prev_hp, pidx, base, n_valid, depth, slots, anc, c, vocab=None):
         mtp = merge(params)
         tree = TreeRows(depth, jnp.full_like(depth, -1), slots, anc)
         hp, cache = mtp(tokens, prev_hp[pidx], base, n_valid, cache, tree)
-        idx, lp = top(mtp, hp, c, n_valid)
+        idx, lp = top(mtp, hp, c, n_valid, vocab)
         return Expansion(idx, lp, hp, cache)
 
     return dict(root=(root, dict(donate_argnums=(1,), static_argnums=(7,))),
@@ -105,11 +111,16 @@ def branching(draft_tokens: int, tree_nodes: int) -> int:
 
 
 class TreeDrafter:
-    """Drafts trees of up to `tree_nodes` nodes and depth `draft_tokens` with one loaded MTP head."""
+    """Drafts trees of up to `tree_nodes` nodes and depth `draft_tokens` with one loaded MTP head; vocab (a
+    `draft_vocab.DraftVocab`, optional): every drafting call's head over its ids only (the chain's
+    draft_vocab: the candidates, their log-probs and so the tree change; verification does not)."""
 
-    def __init__(self, mtp: MTPRuntime, draft_tokens: int, tree_nodes: int):
-        self.mtp, self.k, self.n_nodes = mtp, int(draft_tokens), int(tree_nodes)
+    def __init__(self, mtp: MTPRuntime, draft_tokens: int, tree_nodes: int, vocab: DraftVocab | None = None):
+        self.mtp, self.k, self.n_nodes, self.vocab = mtp, int(draft_tokens), int(tree_nodes), vocab
         self.c = branching(self.k, self.n_nodes)
+        if vocab is not None and vocab.size < self.c:
+            raise InputError(f"draft_vocab={vocab.size} is below the tree's {self.c} children per node "
+                             f"(min(8, tree_nodes - depth + 1)); give at least {self.c} ids")
         self.rows = max(2, self.c)  # MTP rows per level call (>= 2: the row-stable kernel)
         fns = _tree_mtp_fns(mtp.graph)
         self.root, self.level = fns.root, fns.level  # the jitted calls (the device loop nests them)
@@ -120,7 +131,8 @@ class TreeDrafter:
         as `MTPRuntime.draft`), then a tree of at most n_nodes drafts and depth `depth` (0: the root only).
         Returns `Draft(the DraftTree, cache, the h paired with the certain token)`."""
         idx, lp, root_h, cache, h_t = self.root(self.mtp.params, cache, np.asarray(tokens, np.int32), h_prev,
-                                                 hidden, np.int32(start), np.int32(n_valid), self.c)
+                                                 hidden, np.int32(start), np.int32(n_valid), self.c, True,
+                                                 self.vocab)
         R = start + n_valid - 1  # the certain token's MTP position
         # candidate nodes: (token, parent node, depth, score, chain, MTP slot when expanded)
         tok, par, dep, score, chain = [int(tokens[n_valid - 1])], [-1], [0], [0.0], [True]
@@ -158,7 +170,8 @@ class TreeDrafter:
                     j = par[j]
                 anc[b, :d] = path[::-1]
             idx, lp, prev_hp, cache, _ = self.level(self.mtp.params, cache, btok, prev_hp, pidx, np.int32(base),
-                                                    np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c)
+                                                    np.int32(len(beam)), bdepth, slots, np.minimum(anc, S - 1), self.c,
+                                                    self.vocab)
             idx, lp = np.asarray(idx), np.asarray(lp)
             prev_row = {i: b for b, i in enumerate(beam)}
             for b, i in enumerate(beam):

@@ -59,7 +59,8 @@ COMMANDS = {
     "test_readme_main_command_compares_mtp_off_and_on": ("generate", lambda t: readme_main_command()),
     "test_bench_verify": ("bench_verify", lambda t: [
         "--model=default", "--ks=1", "--repeats=2", "--new_tokens=8", "--max_context=64", "--tree_nodes=2",
-        "--pass_widths=1,2", "--p_mins=0.5", "--verify_heads=full", f"--json_out={t / 'verify.jsonl'}"]),
+        "--pass_widths=1,2", "--p_mins=0.5", "--verify_heads=full", "--draft_vocab=512",
+        f"--json_out={t / 'verify.jsonl'}"]),
     "test_generate_tree": ("generate", lambda t: [
         "--speculative=mtp_tree", "--draft_tokens=2", "--tree_nodes=4", "--max_new_tokens=8", "--max_context=64",
         "--json"]),
@@ -432,8 +433,9 @@ def test_bench_verify(runs, request):
     assert "round 2/2" in ok(res).stdout and "MTP off:" in res.stdout
     recs = jsonl(tmp / "verify.jsonl")
     best = recs.pop()["best"]  # the last record: the fastest lossless device-loop setting
-    passes, recs = recs[:2], recs[2:]
+    passes, steps, recs = recs[:2], recs[2:4], recs[4:]
     assert [r["rows"] for r in passes] == [1, 2] and "one trunk pass of w rows" in res.stdout
+    assert [r["draft_vocab"] for r in steps] == [None, 512] and steps[1]["vs_full"] > 0  # one draft step each
     spec = [r for r in recs if r.get("loop") == "device" and r.get("speculative")]
     top = max(spec, key=lambda r: r["decode_tok_s"])
     off = next(r for r in recs if r.get("loop") == "device" and not r.get("speculative"))
@@ -445,7 +447,9 @@ def test_bench_verify(runs, request):
         for key in ("decode_ms", "chain_ms", "tree_ms"):
             _check_spread(r, key, rounds=2)
         assert 1 <= r["experts_per_pass"] <= 4 * r["rows"]  # distinct experts the rows read, per layer
-    pm, vh, recs = recs[7:8], recs[8:], recs[:7]  # the --p_mins row after the chain and tree rows, then --verify_heads
+    # after the chain and tree rows: the chain and the tree with --draft_vocab, the --p_mins rows (full head, then
+    # the draft vocabulary), then --verify_heads
+    dv, tdv, pm, vh, recs = recs[7:8], recs[8:9], recs[9:11], recs[11:], recs[:7]
     assert [(r["draft_tokens"], r["verify"], r.get("loop")) for r in recs] == [
         (0, None, "host"), (0, None, "device"), (1, "sequential", "host"), (1, "batched", "host"),
         (1, "batched", "device"), (1, "batched", "host"), (1, "batched", "device")]
@@ -458,11 +462,16 @@ def test_bench_verify(runs, request):
     for tree in recs[5:7]:
         assert tree["speculative"] == "mtp_tree" and tree["tree_nodes"] == 2 and len(tree["accept_per_depth"]) == 1
     assert recs[5]["accepted"] == recs[6]["accepted"] and "draft_s" in recs[5]  # same passes on both loops
-    for r in recs[2:] + pm:  # distinct experts a pass's rows read per layer (top-4 routing, <= k + 1 rows)
+    for r in recs[2:] + pm + dv + tdv:  # distinct experts a pass's rows read per layer (top-4 routing, <= k + 1 rows)
         assert 4 <= r["experts_per_pass"] <= 4 * (r["draft_tokens"] + 1 if r["speculative"] == "mtp" else 3)
     assert "experts/pass" in res.stdout and "accept by position" in res.stdout
-    assert [(r["draft_tokens"], r["draft_p_min"]) for r in pm] == [(1, 0.5)] and pm[0]["same_tokens_as_off"]
-    assert 0 <= pm[0]["drafts_per_pass"] <= 1 and "p_min rows" in res.stdout
+    assert [(r["draft_tokens"], r["draft_p_min"], r.get("draft_vocab")) for r in pm] == [(1, 0.5, None), (1, 0.5, 512)]
+    assert all(r["same_tokens_as_off"] and 0 <= r["drafts_per_pass"] <= 1 for r in pm) and "p_min rows" in res.stdout
+    assert [(r["speculative"], r["draft_tokens"], r["draft_vocab"]) for r in dv] == [("mtp", 1, 512)]
+    assert [(r["speculative"], r["draft_tokens"], r["tree_nodes"], r["draft_vocab"]) for r in tdv] == [
+        ("mtp_tree", 1, 2, 512)]
+    assert dv[0]["same_tokens_as_off"] and tdv[0]["same_tokens_as_off"] and len(tdv[0]["accept_per_depth"]) == 1
+    assert "draft_vocab rows" in res.stdout and "tree draft_vocab rows" in res.stdout
     assert "tree/chain" in res.stdout
     from sharpi_jax.quant import ggml
     own = "full up to 4 rows, lazy above" if ggml.multirow_isa() == "avx512" else "lazy"  # the default's own mode

@@ -231,9 +231,9 @@ def test_stopped_tree_sequence_computes_no_rows(default_engine, monkeypatch):
         record(trunk, a[10])  # n_valid: the pass's valid rows
         return tcv(*a, **kw)
 
-    def spy_root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live=True):
+    def spy_root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live=True, vocab=None):
         record(head, n_valid * jnp.asarray(live, jnp.int32))  # its rows: n_valid, none when not live
-        return root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live)
+        return root(params, cache, tokens, h_prev, hidden, start, n_valid, c, live, vocab)
 
     def spy_level(*a):
         record(head, a[6])  # n_valid: the level's beam rows

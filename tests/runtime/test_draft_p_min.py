@@ -99,8 +99,8 @@ def test_with_draft_vocab_and_seeded_host(engine):
     (dict(speculative="mtp", draft_p_min=1.0), r"draft_p_min\) must be a probability"),
     (dict(speculative="mtp", draft_p_min=-0.1), r"draft_p_min\) must be a probability"),
     (dict(speculative="mtp", draft_p_min="0.5"), r"draft_p_min\) must be a probability"),
-    (dict(draft_p_min=0.5), "apply to speculative='mtp'"),
-    (dict(speculative="mtp_tree", draft_p_min=0.5), "apply to speculative='mtp'"),
+    (dict(draft_p_min=0.5), "draft_p_min applies to speculative='mtp'"),
+    (dict(speculative="mtp_tree", draft_p_min=0.5), "draft_p_min applies to speculative='mtp'"),
 ])
 def test_bad_values(engine, kw, match):
     with pytest.raises(InputError, match=match):

@@ -103,8 +103,12 @@ def test_output_unchanged_and_calibration_saved(engine, monkeypatch, tmp_path):
 @pytest.mark.parametrize("kw,match", [(dict(draft_vocab=0), "Chain.draft_vocab must be a positive integer"),
                                       (dict(draft_vocab=10 ** 9), "draft_vocab must be an integer in"),
                                       (dict(draft_vocab=1.5), "Chain.draft_vocab must be a positive integer"),
-                                      (dict(draft_vocab=64, speculative=None), "apply to speculative='mtp'"),
-                                      (dict(draft_vocab=64, speculative="mtp_tree"), "apply to speculative='mtp'")])
+                                      (dict(draft_vocab=64, speculative=None),
+                                       "draft_vocab applies to speculative='mtp' or 'mtp_tree' only"),
+                                      (dict(draft_vocab=0, speculative="mtp_tree"),
+                                       "Tree.draft_vocab must be a positive integer"),
+                                      (dict(draft_vocab=2, speculative="mtp_tree", draft_tokens=3, tree_nodes=8),
+                                       "draft_vocab=2 is below the tree's 6 children per node")])
 def test_bad_values(engine, kw, match):
     kw = {"speculative": "mtp", **kw}
     with pytest.raises(InputError, match=match):

@@ -37,8 +37,9 @@ from sharpi_jax.runtime.sampling import SamplingParams
     (lambda: GenerateOptions(kv="snapkv"), "kv must be 'engine', None or a SnapKV"),
     (lambda: GenerateOptions.from_keywords(speculative="eagle"), "speculative must be one of"),
     (lambda: GenerateOptions.from_keywords(tree_nodes=4), "apply to speculative='mtp_tree' only"),
-    (lambda: GenerateOptions.from_keywords(speculative="mtp_tree", draft_vocab=64), "apply to speculative='mtp'"),
-    (lambda: GenerateOptions.from_keywords(draft_p_min=0.5), "apply to speculative='mtp'"),
+    (lambda: GenerateOptions.from_keywords(draft_vocab=64), "draft_vocab applies to speculative='mtp' or 'mtp_tree'"),
+    (lambda: GenerateOptions.from_keywords(speculative="mtp_tree", draft_p_min=0.5), "draft_p_min applies to"),
+    (lambda: GenerateOptions.from_keywords(draft_p_min=0.5), "draft_p_min applies to speculative='mtp'"),
     (lambda: GenerateOptions.from_keywords(draft_tokens=0), "draft_tokens must be a positive integer"),
     (lambda: ExpertResidency(), "needs a budget"),
     (lambda: ExpertResidency("25%", policy="fifo"), "expert_policy must be one of"),
@@ -80,8 +81,8 @@ def test_generate_shortcuts_build_the_typed_options():
               loop="host", verify="sequential") == GenerateOptions(
         9, SamplingParams(0.7, 5, 0.9, 0.1, 4), False, None, "sequential", "host")
     assert kw(speculative="mtp", draft_tokens=2, draft_vocab=64, draft_p_min=0.3).speculation == Chain(2, 64, 0.3)
-    assert kw(speculative="mtp_tree", draft_tokens=5, tree_nodes=9, max_snapshot_bytes=10).speculation == \
-        Tree(5, 9, 10)
+    assert kw(speculative="mtp_tree", draft_tokens=5, tree_nodes=9, max_snapshot_bytes=10, draft_vocab=64).speculation \
+        == Tree(5, 9, 10, 64)
     assert kw(speculative="mtp_tree").speculation == Tree(3, 8)
 
 

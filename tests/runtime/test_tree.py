@@ -15,11 +15,12 @@ import pytest
 
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.tree import tree_arrays
+from sharpi_jax.runtime import draft_vocab
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.state import gdn_caches
 from sharpi_jax.runtime.strategies.chain import generate_mtp
 from sharpi_jax.runtime.strategies.plain import generate_ids
-from sharpi_jax.runtime.strategies.tree import generate_tree
+from sharpi_jax.runtime.strategies.tree import generate_tree, generate_tree_device
 from sharpi_jax.runtime.tree import capped_tree_nodes, snapshot_bytes_per_node
 from sharpi_jax.runtime.tree_draft import branching
 from tests.bitwise import assert_bitwise_equal
@@ -237,12 +238,12 @@ def test_engine_generate_tree_api():
     assert out.stats.kv.evicted > 0
 
 
-def reference_tree(e, prompt, t, k, nodes):
+def reference_tree(e, prompt, t, k, nodes, ids=None):
     """The drafting rule of `tree_draft` re-derived from sequential single-row MTP steps (no tree rows,
     no beam batching): every expanded node runs one MTP row on a copy of its parent's MTP cache, at MTP
-    position P - 1 + depth, paired with its parent's MTP output. Returns {root path (tuple of tokens,
-    root excluded): (cumulative float64 log-prob, on the greedy chain)} for the kept nodes, and the
-    number of candidates."""
+    position P - 1 + depth, paired with its parent's MTP output. ids (ascending): a draft vocabulary, the
+    full head's logits at those ids only. Returns {root path (tuple of tokens, root excluded): (cumulative
+    float64 log-prob, on the greedy chain)} for the kept nodes, and the number of candidates."""
     rt, mtp = e.runtime, e.mtp
     chunks, _, _ = rt.prefill(rt.new_state(), prompt)
     cache, h_last, _ = mtp.prefill(mtp.new_cache(), prompt, chunks)
@@ -252,9 +253,11 @@ def reference_tree(e, prompt, t, k, nodes):
     def expand(cache, tok, h, pos):
         hp, cache, _ = mtp.rows(jax.tree.map(jnp.copy, cache), [tok, tok], jnp.stack([h, h]), pos, 1)
         x = np.asarray(mtp.logits(hp))[0].astype(np.float64)
+        tok = np.arange(x.shape[0]) if ids is None else np.asarray(ids)
+        x = x[tok]
         lp = x - x.max() - np.log(np.sum(np.exp(x - x.max())))
-        top = np.argsort(-lp, kind="stable")[:c]
-        return cache, hp[0], [(int(j), float(lp[j])) for j in top]
+        top = np.argsort(-lp, kind="stable")[:c]  # ties: the lower id (ids ascending)
+        return cache, hp[0], [(int(tok[j]), float(lp[j])) for j in top]
 
     cand = {}  # path -> (score, chain)
     state = {(): expand(cache, t, h_last, P - 1)}
@@ -306,3 +309,36 @@ def test_drafter_drafts_the_best_tree(k, nodes):
     assert got == {p: ch for p, (_, ch) in want.items()}
     print(f"k={k} nodes={nodes}: {len(want)} nodes, {n_cand} candidates, chain "
           f"{[p for p, ch in got.items() if ch]}")
+
+
+@pytest.mark.parametrize("k,nodes", [(2, 5), (3, 8)])
+def test_tree_with_a_draft_vocabulary(k, nodes):
+    """Tree.draft_vocab: every drafting call over N ids only. The first pass's tree == `reference_tree`
+    over the full head's logits at those ids; every drafted token is one of them and the trees differ
+    from the full head's (the subset changes the drafts); the tokens == plain decoding, greedy and seeded;
+    the device loop's tokens and pass stats == the host loop's."""
+    name = "tiny-qwen35moe"
+    e = engine(name, "F32")
+    prompt = prompts(name, "F32")[0]
+    ref, _ = generate_ids(e.runtime, prompt, 24, GREEDY)
+    # The subset: the tokens of the greedy text (so drafts are often right) and every third id of the rest.
+    V = e.config.n_vocab
+    keep = set(prompt) | set(ref) | set(range(0, V, 3))
+    rank = np.array(sorted(keep) + sorted(set(range(V)) - keep), np.int32)
+    vocab = draft_vocab.build(e.mtp._head_parts, rank, len(keep))
+    ids = np.asarray(vocab.ids)
+    full_trace, trace = [], []
+    generate_tree(e.runtime, e.mtp, prompt, 24, GREEDY, (), k, nodes, trace=full_trace)
+    out, st = generate_tree(e.runtime, e.mtp, prompt, 24, GREEDY, (), k, nodes, trace=trace, vocab=vocab)
+    assert out == ref and st["draft_vocab"] == len(keep) and st["accepted"] > 0
+    want, _ = reference_tree(e, prompt, out[0], k, nodes, ids)
+    assert tree_paths(trace[0]) == {p: ch for p, (_, ch) in want.items()}
+    drafted = np.concatenate([t["tokens"][1:] for t in trace])
+    assert np.isin(drafted, ids).all()
+    assert tree_paths(trace[0]) != tree_paths(full_trace[0])
+    for sampling in (GREEDY, SamplingParams(temperature=0.8, top_k=40, seed=3)):
+        host, hs = generate_tree(e.runtime, e.mtp, prompt, 24, sampling, (), k, nodes, vocab=vocab)
+        dev, ds = generate_tree_device(e.runtime, e.mtp, prompt, 24, sampling, (), k, nodes, vocab=vocab)
+        assert host == dev == generate_ids(e.runtime, prompt, 24, sampling)[0]
+        for key in ("drafted", "accepted", "verify_passes", "drafted_nodes", "accept_per_depth", "draft_vocab"):
+            assert ds[key] == hs[key], key

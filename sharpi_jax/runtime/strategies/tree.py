@@ -17,6 +17,7 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction, tree_device
 from sharpi_jax.runtime.compiled import derived_cache
 from sharpi_jax.runtime.decoder import generate_passes
+from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.device_loop import (STOP_REASONS, drive, eos_array, first_token, jit_loop, lazy_walk,
                                             out_slots, pass_stop, picker, row_targets)
 from sharpi_jax.runtime.generate import Generation, timing_stats
@@ -32,7 +33,8 @@ from sharpi_jax.runtime.tree import TreeDecoder, snapshot_bytes_per_node
 def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                   sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                   tree_nodes: int = 8, verify: str = "batched", trace: list | None = None,
-                  max_snapshot_bytes: int | None = None, kv: SnapKV | None = None, resume=None) -> Generation:
+                  max_snapshot_bytes: int | None = None, kv: SnapKV | None = None, resume=None,
+                  vocab: DraftVocab | None = None) -> Generation:
     """Tree speculative generation; the tokens are those of `plain.generate_ids` with the same arguments.
 
     stats: those of `generate_ids` plus speculative ("mtp_tree"), draft_tokens (depth), tree_nodes
@@ -41,15 +43,17 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     acceptance_rate (accepted / drafted), mean_accept_len (accepted + 1 per trunk pass),
     accept_per_depth (fraction of the passes whose tree reached depth i that accepted >= i tokens),
     snapshot_bytes_per_node, draft_s, verify_s. kv: SnapKV eviction at prefill (trunk and MTP head, as
-    `chain.generate_mtp`), adding kv_slots / kv_evicted / kv_capacity.
+    `chain.generate_mtp`), adding kv_slots / kv_evicted / kv_capacity. vocab: a draft vocabulary (every
+    drafting call over its ids only), adding draft_vocab (its size, None without).
     """
     t0 = time.perf_counter()
     dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes, kv=kv,
-                      kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context))
+                      kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context), vocab=vocab)
     dec.resume = resume  # a session's continued prefill (`session.Resume`)
     out, stats, passes = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_depth", t0)
     return Generation(out, {**stats, "speculative": "mtp_tree", "draft_tokens": dec.k, "tree_nodes": dec.n_nodes,
-                            "verify": verify, "drafted_nodes": [n for n, _, _ in passes],
+                            "verify": verify, "draft_vocab": None if vocab is None else vocab.size,
+                            "drafted_nodes": [n for n, _, _ in passes],
                             "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
                             **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context)})
 
@@ -58,7 +62,8 @@ class _Loop(NamedTuple):
     """What the tree loop's passes read besides the carry: the step functions, their params, the run's
     scalars (device arrays), its static depth K, nodes N, branching and greedy; T = N + 1 trunk rows, S
     where the MTP cache's slots end (as a position), rows = arange(T), krows = arange(K + 1); head_row: the
-    LM head on one row (`RunConfig.verify_head` lazy), None: the pass computes every row's."""
+    LM head on one row (`RunConfig.verify_head` lazy), None: the pass computes every row's; vocab: the draft
+    vocabulary (None: the full head drafts)."""
 
     tree_commit_verify: Callable
     root: Callable
@@ -78,6 +83,7 @@ class _Loop(NamedTuple):
     rows: Any
     krows: Any
     head_row: Callable | None
+    vocab: Any
 
 
 def _init(e: _Loop, cache, buffers, state, mtp_cache, logits, h_last, P, sampling, out) -> dict:
@@ -106,7 +112,7 @@ def _draft_verify(e: _Loop, c: dict) -> tuple:
     toks = toks.at[c["n_pend"]].set(c["t"])
     tt, tp, _, n, mtp_cache, h_t = tree_device.draft_tree(
         e.root, e.level, e.mtp_params, c["mtp_cache"], toks, c["h_prev"], c["hidden"], c["pend_start"] - 1,
-        c["n_pend"] + 1, depth, n_nodes, K=e.K, N=e.N, c=e.branching, S=e.S, live=live)
+        c["n_pend"] + 1, depth, n_nodes, K=e.K, N=e.N, c=e.branching, S=e.S, live=live, vocab=e.vocab)
     tdepth, tparent, anc = tree_device.tree_arrays(tp, n)
     v, cache = e.tree_commit_verify(e.params, c["cache"], c["state"], c["snaps"], c["node"], c["prev"],
                                     c["path"], c["n_path"], tt, P, n * live, tdepth, tparent, anc,
@@ -155,17 +161,18 @@ def jitted_loop(tree_commit_verify, root, level, batch: bool = False, head_row=N
     """The jitted MTP tree loop over one model graph's `tree_commit_verify` and one head's tree calls
     (batch: over a batch of sequences, a stopped sequence's rows padding; head_row: that graph's `head_row`
     for a lazy LM head, one sequence only). One sequence: the state, the MTP cache and the snapshot
-    buffers (`Runtime.snapshot_buffers`) donated; they come back as a last result."""
+    buffers (`Runtime.snapshot_buffers`) donated; they come back as a last result. The run's `vocab` (a
+    draft vocabulary or None) is an argument, so a loop compiles once per vocabulary size, not per ranking."""
 
     def run(params, cache, mtp_params, state, mtp_cache, logits, h_last, P, max_new, max_context, slot_room, eos,
-            sampling, out, buffers, K, N, c, greedy):
+            sampling, out, buffers, vocab, K, N, c, greedy):
         T = N + 1
         one = jax.tree.map(lambda a: a[0], mtp_cache) if batch else mtp_cache  # one sequence's cache (shapes)
         S = one.end_position()  # where the MTP cache's slots end, as a position (as the host drafter)
         rows = jnp.arange(T, dtype=jnp.int32)
         krows = jnp.arange(K + 1, dtype=jnp.int32)
         e = _Loop(tree_commit_verify, root, level, params, mtp_params, max_new, max_context, slot_room, eos, K, N, c,
-                  greedy, T, S, rows, krows, head_row)
+                  greedy, T, S, rows, krows, head_row, vocab)
         return drive(functools.partial(_init, e, cache, buffers), functools.partial(_body, e),
                      functools.partial(_fin, back=not batch), (state, mtp_cache, logits, h_last, P, sampling, out),
                      batch)
@@ -176,12 +183,13 @@ def jitted_loop(tree_commit_verify, root, level, batch: bool = False, head_row=N
 def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_new_tokens: int,
                          sampling: SamplingParams, stop_ids: Collection[int] = (), draft_tokens: int = 3,
                          tree_nodes: int = 8, max_snapshot_bytes: int | None = None,
-                         kv: SnapKV | None = None, resume=None) -> Generation:
+                         kv: SnapKV | None = None, resume=None, vocab: DraftVocab | None = None) -> Generation:
     """`generate_tree` with batched verify (same arguments, tokens and stats except draft_s / verify_s;
     plus loop="device") with every pass (drafting the tree, verify, acceptance, commit) on the device."""
     t0 = time.perf_counter()
     dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, "batched", max_snapshot_bytes=max_snapshot_bytes,
-                      kv=kv, kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context))
+                      kv=kv, kv_capacity=kv_eviction.kv_capacity(kv, max_new_tokens, runtime.max_context),
+                      vocab=vocab)
     dec.resume = resume
     logits = dec.prefill(prompt)
     t1 = time.perf_counter()
@@ -196,7 +204,7 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
             runtime.params, runtime.cache, mtp.params, dec.state, dec.cache, logits, dec.h_prev, np.int32(P),
             np.int32(max_new_tokens), np.int32(runtime.max_context), np.int32(slot_room), eos_array(stop_ids),
             traced_params(sampling), np.zeros(out_slots(max_new_tokens, dec.n_nodes), np.int32),
-            runtime.snapshot_buffers(dec.state, dec.n_nodes + 1), K=dec.k, N=dec.n_nodes, c=dec.drafter.c,
+            runtime.snapshot_buffers(dec.state, dec.n_nodes + 1), vocab, K=dec.k, N=dec.n_nodes, c=dec.drafter.c,
             greedy=sampling.greedy)
         runtime.keep_snapshot_buffers(buffers)
         out, n, code, P, counts = jax.device_get((out, n, code, end, counts))
@@ -210,6 +218,7 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         "draft_tokens": dec.k,
         "tree_nodes": dec.n_nodes,
         "verify": "batched",
+        "draft_vocab": None if vocab is None else vocab.size,
         **pass_stats(dec.k, pass_counts(dec.k, passes), "accept_per_depth"),
         "drafted_nodes": [n for n, _, _ in passes],
         "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
@@ -225,9 +234,11 @@ class TreeStrategy(Strategy):
     def host(self, runtime, mtp, ids, opts, stop_ids=(), kv=None, vocab=None, resume=None) -> Generation:
         spec = opts.speculation
         return generate_tree(runtime, mtp, ids, opts.max_new_tokens, opts.sampling, stop_ids, spec.depth, spec.nodes,
-                             opts.verify, max_snapshot_bytes=spec.max_snapshot_bytes, kv=kv, resume=resume)
+                             opts.verify, max_snapshot_bytes=spec.max_snapshot_bytes, kv=kv, resume=resume,
+                             vocab=vocab)
 
     def device(self, runtime, mtp, ids, opts, stop_ids=(), kv=None, vocab=None, resume=None) -> Generation:
         spec = opts.speculation
         return generate_tree_device(runtime, mtp, ids, opts.max_new_tokens, opts.sampling, stop_ids, spec.depth,
-                                    spec.nodes, max_snapshot_bytes=spec.max_snapshot_bytes, kv=kv, resume=resume)
+                                    spec.nodes, max_snapshot_bytes=spec.max_snapshot_bytes, kv=kv, resume=resume,
+                                    vocab=vocab)
