@@ -16,7 +16,8 @@ The rule (EAGLE-2-like expansion and reranking, with the greedy chain kept):
 With c = w = min(8, tree_nodes - k + 1) (1 for tree_nodes = k: the tree is the chain), the k MTP calls
 are the chain drafter's k calls, batched over w rows. Because the tree always holds the chain drafter's
 chain (bitwise the same MTP rows), a tree pass accepts at least as many tokens as a chain pass would
-from the same state.
+from the same state. With a draft vocabulary (`draft_vocab.DraftVocab`) every call ranks the subset's ids
+only, log-probs under the subset's softmax: the tree then holds the chain that vocabulary drafts.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharpi_jax.model.tree import TreeRows
 from sharpi_jax.errors import InputError
+from sharpi_jax.model.tree import TreeRows
 from sharpi_jax.runtime.compiled import Graph, jit_factory
 from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.mtp import Draft, MTPRuntime
