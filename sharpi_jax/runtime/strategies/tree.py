@@ -44,7 +44,7 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     accept_per_depth (fraction of the passes whose tree reached depth i that accepted >= i tokens),
     snapshot_bytes_per_node, draft_s, verify_s. kv: SnapKV eviction at prefill (trunk and MTP head, as
     `chain.generate_mtp`), adding kv_slots / kv_evicted / kv_capacity. vocab: a draft vocabulary (every
-    drafting call over its ids only), adding draft_vocab (its size, None without).
+    drafting call over its ids only), adding draft_vocab (its size).
     """
     t0 = time.perf_counter()
     dec = TreeDecoder(runtime, mtp, draft_tokens, tree_nodes, verify, trace, max_snapshot_bytes, kv=kv,
@@ -52,10 +52,14 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     dec.resume = resume  # a session's continued prefill (`session.Resume`)
     out, stats, passes = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_depth", t0)
     return Generation(out, {**stats, "speculative": "mtp_tree", "draft_tokens": dec.k, "tree_nodes": dec.n_nodes,
-                            "verify": verify, "draft_vocab": None if vocab is None else vocab.size,
-                            "drafted_nodes": [n for n, _, _ in passes],
+                            "verify": verify, **_vocab_stats(vocab), "drafted_nodes": [n for n, _, _ in passes],
                             "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
                             **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context)})
+
+
+def _vocab_stats(vocab: DraftVocab | None) -> dict:
+    """A tree's draft_vocab stat: its size, only when it has one (a chain always reports the key)."""
+    return {} if vocab is None else {"draft_vocab": vocab.size}
 
 
 class _Loop(NamedTuple):
@@ -218,7 +222,7 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         "draft_tokens": dec.k,
         "tree_nodes": dec.n_nodes,
         "verify": "batched",
-        "draft_vocab": None if vocab is None else vocab.size,
+        **_vocab_stats(vocab),
         **pass_stats(dec.k, pass_counts(dec.k, passes), "accept_per_depth"),
         "drafted_nodes": [n for n, _, _ in passes],
         "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
