@@ -17,9 +17,9 @@ from sharpi_jax.model.snapkv import SnapKV
 from sharpi_jax.runtime import kv_eviction, tree_device
 from sharpi_jax.runtime.compiled import derived_cache
 from sharpi_jax.runtime.decoder import generate_passes
-from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.device_loop import (STOP_REASONS, drive, eos_array, first_token, jit_loop, lazy_walk,
                                             out_slots, pass_stop, picker, row_targets)
+from sharpi_jax.runtime.draft_vocab import DraftVocab
 from sharpi_jax.runtime.generate import Generation, timing_stats
 from sharpi_jax.runtime.mtp import MTPRuntime
 from sharpi_jax.runtime.passes import pass_counts, pass_stats
