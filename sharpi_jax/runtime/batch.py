@@ -174,7 +174,7 @@ def _add_pass_stats(stats: dict, runtime: Runtime, o: GenerateOptions, vocab: Dr
         m = 0 if counts is None else int(counts["passes"][b])
         passes = [] if m == 0 else list(zip(*(counts[key][b][:m].tolist() for key in ("nodes", "depth", "acc"))))
         stats.update(speculative="mtp_tree", draft_tokens=o.draft_tokens, tree_nodes=dec.n_nodes,
-                     verify="batched", **({} if vocab is None else {"draft_vocab": vocab.size}),
+                     verify="batched", **tree.vocab_stats(vocab),
                      **pass_stats(o.draft_tokens, pass_counts(o.draft_tokens, passes), "accept_per_depth"),
                      drafted_nodes=[x for x, _, _ in passes],
                      snapshot_bytes_per_node=snapshot_bytes_per_node(runtime.config))

@@ -52,13 +52,14 @@ def generate_tree(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int], max_
     dec.resume = resume  # a session's continued prefill (`session.Resume`)
     out, stats, passes = generate_passes(dec, prompt, max_new_tokens, sampling, stop_ids, "accept_per_depth", t0)
     return Generation(out, {**stats, "speculative": "mtp_tree", "draft_tokens": dec.k, "tree_nodes": dec.n_nodes,
-                            "verify": verify, **_vocab_stats(vocab), "drafted_nodes": [n for n, _, _ in passes],
+                            "verify": verify, **vocab_stats(vocab), "drafted_nodes": [n for n, _, _ in passes],
                             "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
                             **kv_eviction.kv_stats(dec.evicted, dec.P, runtime.max_context)})
 
 
-def _vocab_stats(vocab: DraftVocab | None) -> dict:
-    """A tree's draft_vocab stat: its size, only when it has one (a chain always reports the key)."""
+def vocab_stats(vocab: DraftVocab | None) -> dict:
+    """A tree's draft_vocab stat: its size, only when it has one (a chain always reports the key); the host
+    and device loops and `generate_batch` report it alike."""
     return {} if vocab is None else {"draft_vocab": vocab.size}
 
 
@@ -222,7 +223,7 @@ def generate_tree_device(runtime: Runtime, mtp: MTPRuntime, prompt: Sequence[int
         "draft_tokens": dec.k,
         "tree_nodes": dec.n_nodes,
         "verify": "batched",
-        **_vocab_stats(vocab),
+        **vocab_stats(vocab),
         **pass_stats(dec.k, pass_counts(dec.k, passes), "accept_per_depth"),
         "drafted_nodes": [n for n, _, _ in passes],
         "snapshot_bytes_per_node": snapshot_bytes_per_node(runtime.config),
