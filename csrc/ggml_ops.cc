@@ -6,9 +6,13 @@
 // product by vec_dot. Output element [m, n] depends only on activation row m and weight row n, so a
 // row's bits are the same for any batch size, any tiling and any thread count (row-stable by
 // construction). Work is tiled so a tile of weight rows is read once for all activation rows, and
-// tiles are shared between threads (XLA's intra-op pool inside jit, std::thread on the host).
+// tiles are shared between threads (inside jit: the calling thread and helper threads that stay awake between
+// products, csrc/spin_pool.h, as many as XLA's intra-op pool has past the caller; std::thread on the host).
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -28,6 +32,7 @@
 #include "gdn.h"
 #include "ggml.h"
 #include "multirow.h"
+#include "spin_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -81,6 +86,16 @@ void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
   st->active.fetch_add(1);
   take();
   st->active.fetch_sub(1);
+  // A helper still on its last units finishes within microseconds: spin for it rather than sleep (a wake-up
+  // costs tens of microseconds), up to the helpers' spin time.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(sharpi::spin_us());
+  for (int i = 1; st->active.load() != 0; ++i) {
+    _mm_pause();
+    if ((i & 63) == 0) {
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::yield();
+    }
+  }
   std::unique_lock<std::mutex> lock(st->mu);
   st->cv.wait(lock, [&] { return st->active.load() == 0; });
 }
@@ -137,7 +152,7 @@ struct Kernel {
     const auto* tr = ggml_get_type_traits_cpu(type);
     vec_dot = tr->vec_dot;
     multirow = sharpi::multirow_kernel(qtype);
-    multirow_min = sharpi::multirow_min_rows(qtype);
+    multirow_min = sharpi::multirow_min_rows(qtype, k_);
     from_float = tr->vec_dot_type == GGML_TYPE_F32 ? nullptr : ggml_get_type_traits_cpu(tr->vec_dot_type)->from_float;
     w_row = ggml_row_size(type, k);
     q_row = ggml_row_size(tr->vec_dot_type, k);
@@ -334,6 +349,10 @@ std::string expert_rows(const Pool& pool, const float* x, const int32_t* ids, in
 
 Pool xla_pool(ffi::ThreadPool tp) {
   int threads = static_cast<int>(std::max<int64_t>(1, tp.num_threads()));
+  // XLA's pool sets the thread count; the work goes to our spinning helpers (csrc/spin_pool.h) unless
+  // their spin time is 0.
+  if (sharpi::spin_us() > 0)
+    return Pool{threads, [threads](std::function<void()> task) { sharpi::spin_post(std::move(task), threads - 1); }};
   // ThreadPool is a thin handle valid for this call; parallel_for returns before the call does.
   auto holder = std::make_shared<ffi::ThreadPool>(tp);
   return Pool{threads, [holder](std::function<void()> task) { holder->Schedule(std::move(task)); }};
@@ -596,8 +615,12 @@ NB_MODULE(_ggml, m) {
         "The instruction set of the multi-row kernels: \"avx512\", \"avx2\" or \"\" (none on this CPU).");
   m.def("set_multirow_isa", &sharpi::set_multirow_isa,
         "Picks \"avx512\", \"avx2\" or \"best\"; False when this CPU cannot run the set named (same bits).");
-  m.def("multirow_min_rows", &sharpi::multirow_min_rows,
-        "Rows from which this type's products use its multi-row kernel (fewer: vec_dot per element).");
+  m.def("spin_us", &sharpi::spin_us, "How long the products' idle helper threads spin before they sleep (us).");
+  m.def("spin_tasks_run", &sharpi::spin_tasks_run, "Tasks the products' helper threads have run so far.");
+  m.def("set_spin_us", &sharpi::set_spin_us, nb::arg("us"),
+        "Sets the helpers' spin time (us); 0: products hand their work to XLA's pool (same bits either way).");
+  m.def("multirow_min_rows", &sharpi::multirow_min_rows, nb::arg("qtype"), nb::arg("k"),
+        "Rows from which products of this type's rows of k values use its kernel (fewer: vec_dot per element).");
   m.def("check_type", &check_type, "\"\" if ggml's CPU backend multiplies this type, else why not.");
   m.def("check_rows", &check_rows, "\"\" if weight rows of row_bytes hold K values of qtype, else why not.");
   m.def("vec_dot_type", [](int qtype) { return static_cast<int>(ggml_get_type_traits_cpu(static_cast<ggml_type>(qtype))->vec_dot_type); });

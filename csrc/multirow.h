@@ -33,10 +33,13 @@ using MultiRowFn = void (*)(int64_t k, const uint8_t* w, size_t w_row, int64_t n
 // each element with ggml's vec_dot).
 MultiRowFn multirow_kernel(int qtype);
 
-// From how many activation rows the type's kernel beats one vec_dot per element (2: one row is ggml's own
-// vec_dot, which the kernel's one-row form does not beat). Never changes a bit: both paths give vec_dot's
-// bits.
-int64_t multirow_min_rows(int qtype);
+// From how many activation rows a product of the type's rows of k values runs its kernel rather than one
+// vec_dot per element: 1 for rows of at most kShortRow values (the routed and shared experts' down
+// projections, K = 512: ggml's vec_dot spends a large share of a two-block row on its per-call setup and final
+// sum, and the kernel's one-row form measured 1.1-1.3x faster there), else 2 (at K = 2048 the one-row
+// form does not beat vec_dot). Never changes a bit: both paths give vec_dot's bits.
+constexpr int64_t kShortRow = 1024;
+int64_t multirow_min_rows(int qtype, int64_t k);
 
 // Whether multirow_kernel may return kernels (on by default; off only to measure the vec_dot path).
 void set_multirow_enabled(bool on);

@@ -343,6 +343,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
     ),
     Mutation(
+        "multirow_one_row_form_lost",
+        "ggml backend: multi-row K-quant products give ggml's vec_dot bits (the one-row form for short rows)",
+        "csrc/multirow_avx512.cc",
+        (("      for (int r = 2 * P; r < R; ++r) out[r][n] = k4_result<kQ5>(a[r]);\n",
+          "      for (int r = 2 * P; r < R; ++r) out[r][n] = R == 1 ? 0.0f : k4_result<kQ5>(a[r]);  // MUTATION\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
+    ),
+    Mutation(
+        "spin_pool_tasks_dropped",
+        "ggml backend: products' helper threads take part of the work (spinning helpers, csrc/spin_pool.h)",
+        "csrc/ggml_ops.cc",
+        (("    return Pool{threads, [threads](std::function<void()> task) { sharpi::spin_post(std::move(task), threads - 1); }};\n",
+          "    return Pool{threads, [threads](std::function<void()> task) { (void)task; }};  // MUTATION: dropped\n"),),
+        ("tests/quant/test_spin_pool.py",),
+    ),
+    Mutation(
         "gdn_native_row_ignores_parent_slot",
         "Batched verify equals sequential: the native GDN step's verify rows start from their parent's slot",
         "csrc/ggml_ops.cc",

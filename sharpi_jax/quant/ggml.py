@@ -18,6 +18,8 @@ float operations in its order, so they give the same bits. Output row m depends 
   now; turning them off (same bits) is for timing the vec_dot path beside them.
 - `multirow_isa()` / `set_multirow_isa(name)`: the kernels' instruction set (avx512 or avx2), and picking
   one (same bits) to time them side by side.
+- `spin_us()` / `set_spin_us(us)`: how long the products' helper threads stay awake between products
+  (0: XLA's pool runs the helpers' share instead; same bits).
 - `gdn_supported(dk)`: whether the extension's native GDN step runs here (`sharpi_jax.model.gdn_native`).
 - `host_matmul` / `host_expert_rows`: the same computations on numpy arrays (no JAX, e.g. straight from
   the read-only mmap of a GGUF), same bits as the FFI ops.
@@ -113,7 +115,7 @@ def serves(qtype: int) -> bool:
 
 
 def multirow(qtype: int) -> bool:
-    """Whether products of `qtype` with `multirow_min_rows(qtype)` or more rows run a multi-row kernel now
+    """Whether products of `qtype` with `multirow_min_rows(qtype, k)` or more rows run a multi-row kernel now
     (AVX2 CPU, enabled)."""
     return available() and bool(_ext().multirow(int(qtype)))
 
@@ -124,9 +126,28 @@ def gdn_supported(dk: int) -> bool:
     return available() and bool(_ext().gdn_supported(int(dk)))
 
 
-def multirow_min_rows(qtype: int) -> int:
-    """Rows from which products of `qtype` use its multi-row kernel (fewer: ggml's vec_dot per element)."""
-    return int(_ext().multirow_min_rows(int(qtype)))
+def spin_us() -> int:
+    """How long the products' idle helper threads spin (microseconds) before they sleep (csrc/spin_pool.h):
+    a product's helper then starts within a microsecond instead of the tens of microseconds XLA's pool
+    takes. 0: products hand their work to XLA's pool. Default 200, or SHARPI_GGML_SPIN_US."""
+    return int(_ext().spin_us())
+
+
+def set_spin_us(us: int) -> None:
+    """Sets `spin_us` (0 turns the helpers off); never changes a bit (row-stable kernels)."""
+    _ext().set_spin_us(int(us))
+
+
+def spin_tasks_run() -> int:
+    """Parallel-loop tasks the helper threads have run in this process (whether products reach them)."""
+    return int(_ext().spin_tasks_run())
+
+
+def multirow_min_rows(qtype: int, k: int) -> int:
+    """Rows from which products of `qtype` rows of k values use its kernel (fewer: ggml's vec_dot per
+    element): 1 for short rows (k <= 1024, the experts' down projections), where the kernel's one-row form
+    beats vec_dot, else 2. Same bits either way."""
+    return int(_ext().multirow_min_rows(int(qtype), int(k)))
 
 
 def multirow_unavailable_reason() -> str | None:
