@@ -456,28 +456,43 @@ ffi::Error GdnStepImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> S, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// A verify row: snapshot slot `dst` of buf [T, H, dv, dk] (the result aliases buf) gets the state after
-// the token, which starts from slot `src` (-1: from `state` [H, dv, dk]); o [H, dv]. src == dst reads the
-// slot before it is overwritten.
-ffi::Error GdnRowImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::F32> buf,
-                      ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::Buffer<ffi::F32> q,
-                      ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> beta,
-                      ffi::Buffer<ffi::F32> g, float scale, ffi::ResultBuffer<ffi::F32> buf_out,
-                      ffi::ResultBuffer<ffi::F32> o) {
+// A verify pass's rows [0, n) in one call (csrc/gdn.h, gdn_rows): snapshot slot t of buf [T, H, dv, dk] (the
+// result aliases buf) gets the state after row t, which starts from row parent[t]'s (-1: from slot
+// `init_slot` of buf, or from `state` [H, dv, dk] when init_slot is -1). q, k [T, H, dk], v [T, H, dv],
+// beta, g [T, H]; o [T, H, dv], rows >= n zero.
+ffi::Error GdnRowsImpl(ffi::ThreadPool tp, ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::F32> buf,
+                       ffi::Buffer<ffi::S32> parent, ffi::Buffer<ffi::S32> init_slot, ffi::Buffer<ffi::S32> rows,
+                       ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                       ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> g, float scale,
+                       ffi::ResultBuffer<ffi::F32> buf_out, ffi::ResultBuffer<ffi::F32> o) {
   auto sd = state.dimensions(), bd = buf.dimensions();
-  std::string err = check_gdn(sd, q, k, v, beta, g);
-  if (err.empty() && (bd.size() != 4 || bd[1] != sd[0] || bd[2] != sd[1] || bd[3] != sd[2]))
-    err = "the snapshots must be [T, H, dv, dk] of the state's [H, dv, dk]";
-  if (!err.empty()) return ffi::Error::InvalidArgument("gdn row: " + err);
-  if (src.element_count() != 1 || dst.element_count() != 1)
-    return ffi::Error::InvalidArgument("gdn row: src and dst must be scalars");
-  const int64_t T = bd[0], slot = sd[0] * sd[1] * sd[2], from = src.typed_data()[0], to = dst.typed_data()[0];
-  if (from < -1 || from >= T || to < 0 || to >= T)
-    return ffi::Error::InvalidArgument("gdn row: src must be in [-1, T) and dst in [0, T)");
+  if (sd.size() != 3 || bd.size() != 4 || bd[1] != sd[0] || bd[2] != sd[1] || bd[3] != sd[2])
+    return ffi::Error::InvalidArgument("gdn rows: state [H, dv, dk] and snapshots [T, H, dv, dk] disagree");
+  const int64_t T = bd[0], H = sd[0], dv = sd[1], dk = sd[2], slot = H * dv * dk;
+  if (static_cast<int64_t>(q.element_count()) != T * H * dk || static_cast<int64_t>(k.element_count()) != T * H * dk ||
+      static_cast<int64_t>(v.element_count()) != T * H * dv || static_cast<int64_t>(beta.element_count()) != T * H ||
+      static_cast<int64_t>(g.element_count()) != T * H || static_cast<int64_t>(parent.element_count()) != T)
+    return ffi::Error::InvalidArgument("gdn rows: q, k [T, H, dk], v [T, H, dv], beta, g [T, H], parent [T] "
+                                       "disagree with the snapshots");
+  if (!sharpi::gdn_native_supported(dk))
+    return ffi::Error::InvalidArgument("gdn rows: needs AVX2 / FMA and dk a multiple of 8");
+  if (init_slot.element_count() != 1 || rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("gdn rows: init_slot and rows must be scalars");
+  const int64_t from = init_slot.typed_data()[0], n = rows.typed_data()[0];
+  if (from < -1 || from >= T || n < 0 || n > T)
+    return ffi::Error::InvalidArgument("gdn rows: init_slot must be in [-1, T) and rows in [0, T]");
+  const int32_t* par = parent.typed_data();
+  for (int64_t t = 0; t < n; ++t)
+    if (par[t] < -1 || par[t] >= t) return ffi::Error::InvalidArgument("gdn rows: parent[t] must be in [-1, t)");
   float* out = buf_out->typed_data();
   if (out != buf.typed_data()) std::memcpy(out, buf.typed_data(), buf.element_count() * sizeof(float));
-  const float* from_p = from < 0 ? state.typed_data() : out + from * slot;
-  run_gdn(xla_pool(tp), from_p, out + to * slot, q, k, v, beta, g, scale, sd[0], sd[1], sd[2], o->typed_data());
+  float* od = o->typed_data();
+  std::memset(od + n * H * dv, 0, (T - n) * H * dv * sizeof(float));
+  const float* init = from < 0 ? state.typed_data() : out + from * slot;
+  xla_pool(tp).run(H, 2 * n * slot, [&](int64_t h) {
+    sharpi::gdn_rows(init, out, slot, par, n, q.typed_data(), k.typed_data(), v.typed_data(), beta.typed_data(),
+                     g.typed_data(), scale, H, dv, dk, h, h + 1, od);
+  });
   return ffi::Error::Success();
 }
 
@@ -529,11 +544,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGdnStep, GdnStepImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGdnRow, GdnRowImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SharpiGdnRows, GdnRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -604,7 +620,7 @@ NB_MODULE(_ggml, m) {
     d["sharpi_ggml_matmul_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlMatmulRows));
     d["sharpi_ggml_expert_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGgmlExpertRows));
     d["sharpi_gdn_step"] = nb::capsule(reinterpret_cast<void*>(SharpiGdnStep));
-    d["sharpi_gdn_row"] = nb::capsule(reinterpret_cast<void*>(SharpiGdnRow));
+    d["sharpi_gdn_rows"] = nb::capsule(reinterpret_cast<void*>(SharpiGdnRows));
     return d;
   });
   m.def("set_multirow", &sharpi::set_multirow_enabled,

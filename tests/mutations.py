@@ -361,17 +361,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "gdn_native_row_ignores_parent_slot",
         "Batched verify equals sequential: the native GDN step's verify rows start from their parent's slot",
-        "csrc/ggml_ops.cc",
-        (("  const float* from_p = from < 0 ? state.typed_data() : out + from * slot;\n",
-          "  const float* from_p = state.typed_data();  // MUTATION: every row from the given state\n"),),
+        "csrc/gdn.cc",
+        (("      const float* s = rows + (parent[t] + 1) * dk;  // parent -1: the starting row\n",
+          "      const float* s = rows;  // MUTATION: every row from the starting state\n"),),
         ("tests/model/test_gdn_native.py::test_verify_rows_equal_decode_steps_bitwise",),
     ),
     Mutation(
         "gdn_native_update_skips_decay",
         "Batched verify equals sequential: the native GDN step computes the gated delta rule",
         "csrc/gdn.cc",
-        (("      const __m256 sn = _mm256_fmadd_ps(d, kj, _mm256_mul_ps(_mm256_loadu_ps(s + j), ev));\n",
-          "      const __m256 sn = _mm256_fmadd_ps(d, kj, _mm256_loadu_ps(s + j));  // MUTATION: no decay\n"),),
+        (("    const __m256 sn = _mm256_fmadd_ps(d, kj, _mm256_mul_ps(_mm256_loadu_ps(s + j), ev));\n",
+          "    const __m256 sn = _mm256_fmadd_ps(d, kj, _mm256_loadu_ps(s + j));  // MUTATION: no decay\n"),),
         ("tests/model/test_gdn_native.py::test_native_step_matches_a_float64_delta_rule",),
     ),
     Mutation(

@@ -257,6 +257,9 @@ class GatedDeltaNet(nnx.Module):
         else:
             snaps = tuple(jnp.zeros(shape, dtype) for shape, dtype in like)
 
+        if self.native:
+            return self._native_rows(qkv, z, beta, g, n, rows, conv_state, ssm_state, parent, snaps, from_snapshot)
+
         # Row t starts from snapshot parent[t] (a chain's parent is t - 1), -1: the given state. The loop
         # carries the snapshots only, not the state: a carried state would be a copy of the given one,
         # and XLA makes every layer's copy at the start of the pass (a temp buffer of 2 MB a GDN layer,
@@ -267,23 +270,42 @@ class GatedDeltaNet(nnx.Module):
             if from_snapshot is None:
                 i = jnp.maximum(p, 0)
                 conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
-                src = p  # the ssm snapshot row t starts from; -1: the given state
+                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
             else:  # only row 0 is a root (p < 0): it reads its slot before writing it
                 i = jnp.where(p < 0, from_snapshot, p)
-                conv, src = at(conv_snaps, i), i
-            if self.native:  # the new state is written straight into slot t
-                conv, q, k, v = self._conv_token(conv, at(qkv, t))
-                ssm_snaps, o_t = gdn_native.row(ssm_state, ssm_snaps, src, t, q, k, v, at(beta, t), at(g, t),
-                                                self.scale)
-                return put(o, o_t, t), (put(conv_snaps, conv, t), ssm_snaps)
-            if from_snapshot is None:
-                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
-            else:
-                S = at(ssm_snaps, i)
+                conv, S = at(conv_snaps, i), at(ssm_snaps, i)
             conv, S, o = step(t, (conv, S, o))
             return o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
 
         o, (conv_snaps, ssm_snaps) = jax.lax.fori_loop(0, n, body, (o, snaps))
+        return self._finish(o, z, rows), conv_snaps, ssm_snaps
+
+    def _native_rows(self, qkv, z, beta, g, n, rows, conv_state, ssm_state, parent, snaps, from_snapshot):
+        """`recurrent`'s snapshot form with the native step: each row's conv first (from its parent row's conv
+        snapshot), then the delta rule of rows [0, n) in one call (gdn_native.rows), which reads the starting
+        state once for all rows and streams each row's state into its slot. A row's arithmetic is the decode
+        step's, so its bits are too."""
+        T = qkv.shape[0]
+        at = functools.partial(jax.lax.dynamic_index_in_dim, keepdims=False)
+        put = functools.partial(jax.lax.dynamic_update_index_in_dim, axis=0)
+        conv_snaps, ssm_snaps = snaps
+        _, q0, k0, v0 = jax.eval_shape(self._conv_token, conv_state, qkv[0])
+        qkv_rows = tuple(jnp.zeros((T,) + a.shape, a.dtype) for a in (q0, k0, v0))
+
+        def body(t, carry):
+            conv_snaps, qkv_rows = carry
+            p = t - 1 if parent is None else at(parent, t)
+            if from_snapshot is None:
+                conv = jnp.where(p < 0, conv_state, at(conv_snaps, jnp.maximum(p, 0)))
+            else:  # only row 0 is a root (p < 0): it reads its slot before writing it
+                conv = at(conv_snaps, jnp.where(p < 0, from_snapshot, p))
+            conv, *row = self._conv_token(conv, at(qkv, t))
+            return put(conv_snaps, conv, t), tuple(put(a, r, t) for a, r in zip(qkv_rows, row))
+
+        conv_snaps, (q, k, v) = jax.lax.fori_loop(0, n, body, (conv_snaps, qkv_rows))
+        par = jnp.arange(T, dtype=jnp.int32) - 1 if parent is None else parent
+        ssm_snaps, o = gdn_native.rows(ssm_state, ssm_snaps, par, -1 if from_snapshot is None else from_snapshot,
+                                       n, q, k, v, beta, g, self.scale)
         return self._finish(o, z, rows), conv_snaps, ssm_snaps
 
     def chunked(self, x: jax.Array, valid: jax.Array, n_valid: jax.Array, conv_state: jax.Array,

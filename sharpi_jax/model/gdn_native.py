@@ -4,7 +4,8 @@ XLA runs a token's delta rule as a decay, two mat-vecs and an outer-product upda
 the new state materialized in between, and a verify row then copies its new state into its snapshot
 slot: about six state-sized passes over memory a row (2 MB a GDN layer on the 35B shapes), most of a
 verify pass's GDN time. The native step reads each state row once and writes the new one where it
-belongs: in place for a decode step, straight into the row's snapshot slot for a verify row.
+belongs: in place for a decode step; for a verify pass, all rows in one call that reads the starting
+state once and streams each row's state into its snapshot slot.
 
 Its bits are its own, not XLA's: a model uses one step for every recurrent path (decode, chain and tree
 verify, the device and the host loop), so batched verify still equals sequential decode bit for bit.
@@ -51,12 +52,15 @@ def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
         S, q, k, v, beta, g, scale=np.float32(scale))
 
 
-def row(state: jax.Array, snaps: jax.Array, src: jax.Array, dst: jax.Array, q: jax.Array, k: jax.Array,
-        v: jax.Array, beta: jax.Array, g: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
-    """One verify row: slot dst of snaps [T, H, dv, dk] (its buffer is reused for the result) gets the state
-    after the token, which starts from slot src (-1: from state [H, dv, dk]) -> (snaps, o [H, dv])."""
-    H, dv = snaps.shape[1], snaps.shape[2]
-    out = (jax.ShapeDtypeStruct(snaps.shape, snaps.dtype), jax.ShapeDtypeStruct((H, dv), snaps.dtype))
-    src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
-    return jax.ffi.ffi_call("sharpi_gdn_row", out, input_output_aliases={1: 0}, vmap_method="sequential")(
-        state, snaps, src, dst, q, k, v, beta, g, scale=np.float32(scale))
+def rows(state: jax.Array, snaps: jax.Array, parent: jax.Array, init_slot: jax.Array, n: jax.Array, q: jax.Array,
+         k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """Rows [0, n) of a verify pass in one call: slot t of snaps [T, H, dv, dk] (its buffer is reused for the
+    result) gets the state after row t, which starts from row parent[t]'s (-1: from slot init_slot of snaps,
+    or from state [H, dv, dk] when init_slot is -1). q, k [T, H, dk], v [T, H, dv], beta, g [T, H] ->
+    (snaps, o [T, H, dv], rows >= n zero). Each row is `step`'s arithmetic (the same bits), but the starting
+    state is read once for all rows, and the slots are streamed to memory without first being read."""
+    T, H, dv = snaps.shape[0], snaps.shape[1], snaps.shape[2]
+    out = (jax.ShapeDtypeStruct(snaps.shape, snaps.dtype), jax.ShapeDtypeStruct((T, H, dv), snaps.dtype))
+    return jax.ffi.ffi_call("sharpi_gdn_rows", out, input_output_aliases={1: 0}, vmap_method="sequential")(
+        state, snaps, jnp.asarray(parent, jnp.int32), jnp.asarray(init_slot, jnp.int32), jnp.asarray(n, jnp.int32),
+        q, k, v, beta, g, scale=np.float32(scale))

@@ -1,5 +1,5 @@
-"""The native GDN step (csrc/gdn.h, `RunConfig.gdn_step`): against a float64 delta rule, its verify-row form
-bitwise equal to its decode form (chains, trees, a slot read in place), under vmap, and the XLA step it
+"""The native GDN step (csrc/gdn.h, `RunConfig.gdn_step`): against a float64 delta rule, its verify form (all
+of a pass's rows in one call) bitwise equal to its decode form (chains, trees, a slot read in place), under vmap, and the XLA step it
 replaces still bitwise batched == sequential where it runs (GPU, training, gdn_step="xla")."""
 
 from __future__ import annotations
@@ -67,36 +67,52 @@ def test_native_step_matches_a_float64_delta_rule(H, dv, dk):
     assert not np.array_equal(states[0], S0)  # the step changed the state
 
 
-def test_verify_rows_equal_decode_steps_bitwise():
-    """Rows written into snapshot slots (row 0 from the given state, row t from slot parent[t]: a chain and
-    a tree) == native decode steps along each row's root path, bit for bit; a root read from a slot that
-    the same row overwrites (a commit read in place) too."""
-    H, dv, dk, T = 4, 16, 32, 5
+def _path(parent, t):
+    """Row t's root path: the rows whose tokens lead to it, first to last."""
+    path = [t]
+    while parent[path[-1]] >= 0:
+        path.append(parent[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("H,dv,dk", [(4, 16, 32), (32, 128, 128)])
+def test_verify_rows_equal_decode_steps_bitwise(H, dv, dk):
+    """A verify pass's rows in one call (a chain and a tree: row t from row parent[t]'s state, -1 from the given
+    state) == native decode steps along each row's root path, bit for bit, states and outputs; rows >= n
+    leave their slots as they were and output zeros. At the 35B shapes (32 heads of 128 x 128) the heads are
+    split between threads."""
+    T = 5
     rng = np.random.default_rng(1)
     S0 = jnp.asarray((0.3 * rng.standard_normal((H, dv, dk))).astype(np.float32))
     xs = _inputs(rng, T, H, dv, dk)
     scale = 1.0 / np.sqrt(dk)
-    row = jax.jit(lambda st, sn, src, dst, q, k, v, b, g: gdn_native.row(st, sn, src, dst, q, k, v, b, g, scale))
-    for parent in ([-1, 0, 1, 2, 3], [-1, 0, 0, 1, 2]):
-        snaps = jnp.full((T, H, dv, dk), np.nan, jnp.float32)
-        outs = []
-        for t in range(T):
-            snaps, o = row(S0, snaps, parent[t], t, *(a[t] for a in xs))
-            outs.append(np.asarray(o))
-        snaps = np.asarray(snaps)
-        for t in range(T):
-            path = [t]
-            while parent[path[-1]] >= 0:
-                path.append(parent[path[-1]])
-            path = path[::-1]
-            states, o = _steps(S0, [a[path] for a in xs], scale)
-            assert_bitwise_equal((snaps[t], outs[t]), (states[-1], o[-1]), f"parent {parent} row {t}")
-    # slot 2 holds a state; row 0 reads it and writes its result into slot 2 itself
-    snaps = jnp.asarray(np.stack([np.asarray(S0)] * 3) * np.float32(0.5))
-    got, o = row(S0, snaps, 2, 2, *(a[0] for a in xs))
-    want_S, want_o = _steps(snaps[2], [a[:1] for a in xs], scale)
-    assert_bitwise_equal((np.asarray(got)[2], np.asarray(o)), (want_S[0], want_o[0]))
-    assert_bitwise_equal(np.asarray(got)[:2], np.asarray(snaps)[:2])  # the other slots untouched
+    rows = jax.jit(lambda st, sn, par, init, n, *a: gdn_native.rows(st, sn, par, init, n, *a, scale))
+    for parent, n in (([-1, 0, 1, 2, 3], 5), ([-1, 0, 0, 1, 2], 5), ([-1, 0, 1, 2, 3], 3)):
+        before = np.full((T, H, dv, dk), np.nan, np.float32)
+        snaps, o = rows(S0, jnp.asarray(before), np.array(parent, np.int32), -1, n, *xs)
+        snaps, o = np.asarray(snaps), np.asarray(o)
+        for t in range(n):
+            path = _path(parent, t)
+            states, outs = _steps(S0, [a[path] for a in xs], scale)
+            assert_bitwise_equal((snaps[t], o[t]), (states[-1], outs[-1]), f"parent {parent} row {t}")
+        assert_bitwise_equal(snaps[n:], before[n:])
+        assert not o[n:].any()
+
+
+def test_verify_rows_read_their_starting_slot_in_place():
+    """A pass that starts from one of its own slots (the previous pass's accepted row, read in place) reads
+    each of its state rows before any row overwrites it: a 3-row chain from slot 2, whose row 2 writes slot
+    2, equals decode steps from that slot's state."""
+    H, dv, dk, T = 4, 16, 32, 3
+    rng = np.random.default_rng(3)
+    S0 = jnp.asarray((0.3 * rng.standard_normal((H, dv, dk))).astype(np.float32))
+    xs = _inputs(rng, T, H, dv, dk)
+    scale = 1.0 / np.sqrt(dk)
+    before = (0.5 * rng.standard_normal((T, H, dv, dk))).astype(np.float32)
+    snaps, o = jax.jit(lambda *a: gdn_native.rows(*a, scale))(S0, jnp.asarray(before), np.array([-1, 0, 1], np.int32),
+                                                              2, T, *xs)
+    states, outs = _steps(jnp.asarray(before[2]), list(xs), scale)
+    assert_bitwise_equal((np.asarray(snaps), np.asarray(o)), (states, outs))
 
 
 def test_native_step_under_vmap_is_each_alone():

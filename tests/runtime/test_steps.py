@@ -220,17 +220,19 @@ def test_commit_verify_writes_into_the_donated_snapshots(tree):
     assert_bitwise_equal(got_kv, want_kv)
 
 
+@pytest.mark.parametrize("gdn_step", ["auto", "xla"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_verify_pass_copies_no_gdn_state(tree):
+def test_verify_pass_copies_no_gdn_state(tree, gdn_step):
     """The compiled MTP-loop pass makes no copy and no zero fill of a GDN state or snapshot array: the
     snapshots are written into the donated buffers, the loop carries no copy of the state (on the
     twin, such copies were a 69-133 MB temp buffer faulted in afresh on every pass), and the commit
-    copies no snapshot into the state (its first row reads it in place: 20 ms a pass on the twin)."""
+    copies no snapshot into the state (its first row reads it in place: 20 ms a pass on the twin). Both
+    GDN steps: the native one (all rows in one call) and XLA's (a loop over the rows)."""
     import re
     from sharpi_jax.runtime.state import repeat_as_snapshots
     from sharpi_jax.model.tree import tree_arrays
 
-    rt = engine("tiny-qwen35moe", "F32").runtime
+    rt = fixture_engine("tiny-qwen35moe", "F32", MAX_CONTEXT, gdn_step=gdn_step).runtime
     state, T = rt.new_state(), 5
     snaps = repeat_as_snapshots(state, T)
     tokens, i32 = jax.numpy.zeros(T, jax.numpy.int32), np.int32
