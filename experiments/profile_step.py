@@ -69,7 +69,7 @@ _SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^)]*\)|[a-z0-9]+\[[
 
 
 def ffi_names(hlo_text: str) -> dict[str, str]:
-    """ffi_call op name -> 'ggml matmul [M x N]' / 'ggml experts [...]' / 'gdn step [H x dv x dk]' / 'gdn row
+    """ffi_call op name -> 'ggml matmul [M x N]' / 'ggml experts [...]' / 'gdn step [H x dv x dk]' / 'gdn rows
     [T x H x dv x dk]' from the compiled module's HLO text (a result tuple: its first array's shape)."""
     out = {}
     for line in hlo_text.splitlines():

@@ -378,7 +378,7 @@ def test_profile_step_generation(runs, request):
     ops = [r["op"] for r in rec["table"]]
     assert any(op.startswith("ggml matmul [3 x ") for op in ops), ops
     assert any(op.startswith("ggml experts [3 x ") for op in ops), ops
-    assert any(op.startswith("gdn row [3 x ") for op in ops), ops
+    assert any(op.startswith("gdn rows [3 x ") for op in ops), ops
 
 
 def test_profile_step_generation_past_the_context(runs, request):
