@@ -96,10 +96,11 @@ void gdn_rows(const float* init, float* snaps, int64_t slot, const int32_t* pare
   thread_local std::vector<float> e;
   rows.resize(static_cast<size_t>((n + 1) * dk));
   e.resize(static_cast<size_t>(n));
-  // Non-temporal stores where the slots are 32-byte aligned: a slot is written whole and read back (if at all)
-  // on the next pass, long after this layer's lines would have left the cache, so reading its old contents
-  // first (a normal store's read-for-ownership) is a third of the traffic for nothing. Same bits either way.
-  const bool stream = reinterpret_cast<uintptr_t>(snaps) % 32 == 0 && (slot * sizeof(float)) % 32 == 0;
+  // Non-temporal stores where the buffer is 32-byte aligned (every row then is: dk is a multiple of 8): a slot
+  // is written whole and read back (if at all) on the next pass, long after this layer's lines would have left
+  // the cache, so reading its old contents first (a normal store's read-for-ownership) is a third of the
+  // traffic for nothing. Same bits either way.
+  const bool stream = reinterpret_cast<uintptr_t>(snaps) % 32 == 0;
   for (int64_t h = h0; h < h1; ++h) {
     if (stream)
       head_rows<true>(init, snaps, slot, parent, n, q, k, v, beta, g, scale, H, dv, dk, h, o, rows.data(), e.data());

@@ -4,8 +4,9 @@
 // decayed and the new state in between, and a verify pass then copies each row's new state into its
 // snapshot slot: ~6 state-sized reads and writes a row. This kernel reads each state row once and writes
 // the new one where it belongs: in place for a decode step; for a verify pass, all rows in one call that
-// reads the starting state once and streams each row's state into its snapshot slot. Its bits are its own (not XLA's): every recurrent path of a model uses it alike, so a row's
-// outputs and snapshots still do not depend on how many rows share the pass.
+// reads the starting state once and streams each row's state into its snapshot slot. Its bits are its own
+// (not XLA's): every recurrent path of a model uses it alike, so a row's outputs and snapshots still do not
+// depend on how many rows share the pass.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 """The native GDN step (csrc/gdn.h, `RunConfig.gdn_step`): against a float64 delta rule, its verify form (all
-of a pass's rows in one call) bitwise equal to its decode form (chains, trees, a slot read in place), under vmap, and the XLA step it
-replaces still bitwise batched == sequential where it runs (GPU, training, gdn_step="xla")."""
+of a pass's rows in one call) bitwise equal to its decode form (chains, trees, a slot read in place), under
+vmap, and the XLA step it replaces still bitwise batched == sequential where it runs (GPU, training, gdn_step="xla")."""
 
 from __future__ import annotations
 
@@ -193,11 +193,8 @@ def test_xla_step_tree_nodes_are_bitwise_decode_along_their_paths():
                                 len(parent), np.array(parent, np.int32))
     logits, snaps = np.asarray(out.logits), gdn_caches(out.snaps)
     for node in range(len(parent)):
-        path = [node]
-        while parent[path[-1]] >= 0:
-            path.append(parent[path[-1]])
         s = jax.tree.map(jnp.copy, state)
-        for d, j in enumerate(path[::-1]):
+        for d, j in enumerate(_path(parent, node)):
             lg, _, s = rt.decode_step(s, int(tokens[j]), len(prompt) + d)
         assert_bitwise_equal(np.asarray(lg), logits[node], f"node {node}")
         assert_bitwise_equal([np.asarray(g.ssm) for g in gdn_caches(s)], [np.asarray(g.ssm)[node] for g in snaps])
