@@ -1,18 +1,17 @@
 // sharpi_jax._ggml: GGUF blocks multiplied by ggml's own CPU kernels, for jit (XLA FFI) and for the host.
 //
 // Every product is ggml's: an activation row is quantized once with `from_float` of the weight type's
-// `vec_dot_type` (Q8_K for K-quants, Q8_0 for Q4_0/Q8_0, ...) and each output element is one
-// `vec_dot(K, w_row, q_row)` (ggml_get_type_traits_cpu), exactly as ggml's mul_mat computes a
-// product by vec_dot. Output element [m, n] depends only on activation row m and weight row n, so a
+// `vec_dot_type` (Q8_K for K-quants, Q8_0 for Q4_0/Q8_0, ...) and each output element has the bits of one
+// `vec_dot(K, w_row, q_row)` (ggml_get_type_traits_cpu), exactly as ggml's mul_mat computes a product by
+// vec_dot; for several rows a multi-row kernel (csrc/multirow.h) unpacks each weight block once for all of
+// them, with the same bits. Output element [m, n] depends only on activation row m and weight row n, so a
 // row's bits are the same for any batch size, any tiling and any thread count (row-stable by
 // construction). Work is tiled so a tile of weight rows is read once for all activation rows, and
 // tiles are shared between threads (inside jit: the calling thread and helper threads that stay awake between
 // products, csrc/spin_pool.h, as many as XLA's intra-op pool has past the caller; std::thread on the host).
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -88,14 +87,7 @@ void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
   st->active.fetch_sub(1);
   // A helper still on its last units finishes within microseconds: spin for it rather than sleep (a wake-up
   // costs tens of microseconds), up to the helpers' spin time.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(sharpi::spin_us());
-  for (int i = 1; st->active.load() != 0; ++i) {
-    _mm_pause();
-    if ((i & 63) == 0) {
-      if (std::chrono::steady_clock::now() >= until) break;
-      std::this_thread::yield();
-    }
-  }
+  sharpi::spin_until([st] { return st->active.load() == 0; });
   std::unique_lock<std::mutex> lock(st->mu);
   st->cv.wait(lock, [&] { return st->active.load() == 0; });
 }

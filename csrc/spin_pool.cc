@@ -1,12 +1,10 @@
 // Helper threads that spin between tasks (see spin_pool.h).
 #include "spin_pool.h"
 
-#include <immintrin.h>
 #include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -50,17 +48,8 @@ Helpers& helpers() {
 }
 
 void helper_main(Helpers* h) {
-  using clock = std::chrono::steady_clock;
   for (;;) {
-    const auto until = clock::now() + std::chrono::microseconds(g_spin_us.load(std::memory_order_relaxed));
-    // Every 64 pauses: the clock, and a yield, so that a thread of XLA's own waiting for this core runs.
-    for (int i = 1; h->queued.load(std::memory_order_acquire) == 0; ++i) {
-      _mm_pause();
-      if ((i & 63) == 0) {
-        if (clock::now() >= until) break;
-        std::this_thread::yield();
-      }
-    }
+    spin_until([h] { return h->queued.load(std::memory_order_acquire) != 0; });
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(h->mu);

@@ -6,8 +6,12 @@
 // a microsecond; past the spin time they sleep until a task comes.
 #pragma once
 
+#include <immintrin.h>
+
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <thread>
 
 namespace sharpi {
 
@@ -20,6 +24,22 @@ void spin_post(std::function<void()> task, int max_helpers);
 constexpr int kDefaultSpinUs = 200;
 int spin_us();
 void set_spin_us(int us);
+
+// Spins until done() or the spin time has passed; returns done(). Every 64 pauses: the clock, and a yield,
+// so that a thread of XLA's own waiting for this core runs. Used by idle helpers (waiting for a task) and by
+// a product's caller (waiting for helpers on their last units: a wake-up costs tens of microseconds).
+template <class Done>
+bool spin_until(Done done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
+  for (int i = 1; !done(); ++i) {
+    _mm_pause();
+    if ((i & 63) == 0) {
+      if (std::chrono::steady_clock::now() >= until) return done();
+      std::this_thread::yield();
+    }
+  }
+  return true;
+}
 
 // Tasks the helpers have run since the process started (a diagnostic: whether products reach them).
 int64_t spin_tasks_run();

@@ -24,7 +24,9 @@ from sharpi_jax.runtime.state import repeat_as_snapshots
 
 def _timed(fn, state, repeats: int):
     """Warm once, then `repeats` timed calls of fn(state) -> state (the state, any pytree, is donated)."""
-    state = fn(state)
+    # Dispatch is asynchronous: without this wait the first timed call would also wait for the warm call and
+    # whatever ran before it (the prefill: ~0.9 s on the slice), and the median of 3 calls would be biased up.
+    state = jax.block_until_ready(fn(state))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

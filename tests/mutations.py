@@ -224,8 +224,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "verify_row0_reads_the_stale_snapshot",
         "batched verify == sequential: a pass's first row starts from the committed state, never a stale buffer",
         "sharpi_jax/model/gated_delta_net.py",
-        (("                i = jnp.where(p < 0, from_snapshot, p)\n",
-          "                i = jnp.maximum(p, 0)  # MUTATION: row 0 reads slot 0, not the committed snapshot\n"),),
+        (("    return at(snaps, jnp.where(p < 0, from_snapshot, p))\n",
+          "    return at(snaps, jnp.maximum(p, 0))  # MUTATION: row 0 reads slot 0, not the committed snapshot\n"),),
         ("tests/runtime/test_steps.py", "-k", "test_commit_verify_writes_into_the_donated_snapshots"),
     ),
     Mutation(

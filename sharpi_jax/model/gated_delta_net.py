@@ -133,6 +133,21 @@ def delta_rule_chunked(q, k, v, beta, g, S, scale, chunk: int = GDN_CHUNK, solve
     return o, S_hf.swapaxes(-1, -2)
 
 
+def _parent(parent: jax.Array | None, t: jax.Array) -> jax.Array:
+    """Row t's parent row: parent[t] for draft-tree rows, t - 1 for a chain; -1 is the given state."""
+    return t - 1 if parent is None else jax.lax.dynamic_index_in_dim(parent, t, keepdims=False)
+
+
+def _row_start(p: jax.Array, given: jax.Array, snaps: jax.Array, from_snapshot) -> jax.Array:
+    """The state a row with parent p starts from: snapshot p, or for a root row (p < 0) the given state,
+    or with from_snapshot the previous pass's snapshot of that index, read in place (only row 0 is a
+    root then, and it reads its slot before writing it)."""
+    at = functools.partial(jax.lax.dynamic_index_in_dim, keepdims=False)
+    if from_snapshot is None:
+        return jnp.where(p < 0, given, at(snaps, jnp.maximum(p, 0)))
+    return at(snaps, jnp.where(p < 0, from_snapshot, p))
+
+
 class GatedDeltaNet(nnx.Module):
     """GDN mixer: fused input projection [qkv | z | beta | alpha], causal conv, delta rule, gated norm."""
 
@@ -266,14 +281,9 @@ class GatedDeltaNet(nnx.Module):
         # which a CPU process faults in afresh on every pass).
         def body(t, carry):
             o, (conv_snaps, ssm_snaps) = carry
-            p = t - 1 if parent is None else at(parent, t)
-            if from_snapshot is None:
-                i = jnp.maximum(p, 0)
-                conv = jnp.where(p < 0, conv_state, at(conv_snaps, i))
-                S = jnp.where(p < 0, ssm_state, at(ssm_snaps, i))
-            else:  # only row 0 is a root (p < 0): it reads its slot before writing it
-                i = jnp.where(p < 0, from_snapshot, p)
-                conv, S = at(conv_snaps, i), at(ssm_snaps, i)
+            p = _parent(parent, t)
+            conv = _row_start(p, conv_state, conv_snaps, from_snapshot)
+            S = _row_start(p, ssm_state, ssm_snaps, from_snapshot)
             conv, S, o = step(t, (conv, S, o))
             return o, (put(conv_snaps, conv, t), put(ssm_snaps, S, t))
 
@@ -294,11 +304,7 @@ class GatedDeltaNet(nnx.Module):
 
         def body(t, carry):
             conv_snaps, qkv_rows = carry
-            p = t - 1 if parent is None else at(parent, t)
-            if from_snapshot is None:
-                conv = jnp.where(p < 0, conv_state, at(conv_snaps, jnp.maximum(p, 0)))
-            else:  # only row 0 is a root (p < 0): it reads its slot before writing it
-                conv = at(conv_snaps, jnp.where(p < 0, from_snapshot, p))
+            conv = _row_start(_parent(parent, t), conv_state, conv_snaps, from_snapshot)
             conv, *row = self._conv_token(conv, at(qkv, t))
             return put(conv_snaps, conv, t), tuple(put(a, r, t) for a, r in zip(qkv_rows, row))
 
