@@ -25,20 +25,19 @@ constexpr int kDefaultSpinUs = 200;
 int spin_us();
 void set_spin_us(int us);
 
-// Spins until done() or the spin time has passed; returns done(). Every 64 pauses: the clock, and a yield,
+// Spins until done() or the spin time has passed. Every 64 pauses: the clock, and a yield,
 // so that a thread of XLA's own waiting for this core runs. Used by idle helpers (waiting for a task) and by
 // a product's caller (waiting for helpers on their last units: a wake-up costs tens of microseconds).
 template <class Done>
-bool spin_until(Done done) {
+void spin_until(Done done) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
   for (int i = 1; !done(); ++i) {
     _mm_pause();
     if ((i & 63) == 0) {
-      if (std::chrono::steady_clock::now() >= until) return done();
+      if (std::chrono::steady_clock::now() >= until) return;
       std::this_thread::yield();
     }
   }
-  return true;
 }
 
 // Tasks the helpers have run since the process started (a diagnostic: whether products reach them).
