@@ -105,7 +105,7 @@ COMMANDS = {
         "--prompt=def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)"]),
     "test_generate_snapkv_bad_budget": ("generate", lambda t: ["--kv_policy=snapkv", "--kv_budget=4", "--kv_window=8"]),
     "test_research_model": ("research_model", lambda t: [
-        f"--config={_research_preset(t)}", "--time_budget_s=0",
+        f"--config={_research_preset(t)}",
         "--train_flags=--steps=2,--batch_size=2,--seq_len=32,--byte_budget=150000,--sample_tokens=0"]),
     "test_routing_stats": ("routing_stats", lambda t: [
         "--model=default", "--tokens=40", "--sequences=2", "--drafts=2", f"--out_dir={t / 'routing'}"]),
@@ -634,6 +634,9 @@ def test_research_model(runs, request):
     with GGUFFile(path) as f:
         c = read_model_config(f)
     assert (c.n_expert, c.n_expert_used, c.has_mtp) == (64, 8, True) and c.shared_expert_ff > 0
+    # The default recipe trains the steps asked for, with no wall-clock budget: the same model on any machine.
+    summary = json.loads((Path(path).parent / "summary.json").read_text())
+    assert summary["train"]["time_budget_s"] is None and summary["steps"] == summary["train"]["steps"] == 2
 
 
 def test_routing_stats(runs, request):
