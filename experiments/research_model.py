@@ -6,7 +6,7 @@
 
 64 routed experts, top-8, a shared expert and an MTP block on the tiny model's trunk (4 layers GGGA,
 hidden 128), trained by `experiments.train_tiny --config=configs/train/research.json` on the same corpus
-(with its load-balance aux loss) for the preset's 600 steps whatever the machine's speed (~6 min on 2 cores),
+(with its load-balance aux loss) for the preset's 600 steps whatever the machine's speed (~7 min on 2 cores),
 so every machine builds the same model up to float rounding (a wall-clock budget, --time_budget_s=S,
 compresses the LR schedule to fit and stops early: how far it gets depends on the machine and its load),
 exported as GGUF and quantized to Q8_0 by the project's writer. Cached under
