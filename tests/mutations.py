@@ -782,6 +782,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/experts/test_policy_reference.py", "-k", "slru"),
     ),
     Mutation(
+        "research_model_wall_clock_default",
+        "the research model's default build trains the preset's steps with no wall-clock budget (the same model on any machine)",
+        "experiments/research_model.py",
+        (("TIME_BUDGET_S = 0.0  #", "TIME_BUDGET_S = 360.0  # MUTATION: the old 360 s budget"),),
+        ("tests/experiments/test_entry_points.py", "-k", "research_model"),
+    ),
+    Mutation(
         "entry_point_error_traceback",
         "an entry point's bad input is one line, `error: ...`, and exit status 2, wherever in the run it is raised",
         "experiments/cli.py",
