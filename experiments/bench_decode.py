@@ -257,7 +257,7 @@ def bench_widths(models, engines, rows, variants: dict[str, str]) -> list[dict]:
     files = list(dict.fromkeys(str(m[1]) for m in models))
     out = []
     for t in (int(x) for x in FLAGS.width_threads):
-        ours, vd = ([{w: [] for w in widths} for _ in models] for _ in range(2))
+        ours, head1, vd = ([{w: [] for w in widths} for _ in models] for _ in range(3))
         experts = [{} for _ in models]
         llama = {f: {v: {w: [] for w in widths} for v in variants} for f in files}
         err = {}
@@ -281,6 +281,7 @@ def bench_widths(models, engines, rows, variants: dict[str, str]) -> list[dict]:
                     use_isa(None)
                 for r in recs:
                     ours[i][r["rows"]].append(r["chain_ms"])
+                    head1[i][r["rows"]].append(r["chain_head1_ms"])
                     experts[i][r["rows"]] = r.get("experts_per_pass")
             for f in files:
                 for v, bin_dir in variants.items():
@@ -298,6 +299,8 @@ def bench_widths(models, engines, rows, variants: dict[str, str]) -> list[dict]:
                        "experts_per_pass": experts[i][w]}
                 put_spread(rec, "pass_ms", ours[i][w])
                 rec["pass_over_decode"] = rec["pass_ms"] / float(np.median(ours[i][1]))
+                put_spread(rec, "pass_head1_ms", head1[i][w])
+                rec["pass_head1_over_decode"] = rec["pass_head1_ms"] / float(np.median(ours[i][1]))
                 if vd[i][w]:
                     put_spread(rec, "vec_dot_pass_ms", vd[i][w])
                     rec["vec_dot_over_decode"] = rec["vec_dot_pass_ms"] / float(np.median(vd[i][1]))
@@ -315,9 +318,12 @@ def bench_widths(models, engines, rows, variants: dict[str, str]) -> list[dict]:
 
 def print_widths(recs: list[dict]) -> None:
     print("\none trunk pass of w rows (different tokens per row) vs one decode step, beside llama.cpp's batch of "
-          "w tokens (llama-bench -p w -n 0) on the same file; median [min-max] ms of interleaved rounds")
+          "w tokens (llama-bench -p w -n 0) on the same file; median [min-max] ms of interleaved rounds. ours: the "
+          "LM head on every row; 1 head row: the trunk and row 0's head over the decode step (the device loop's "
+          "lazy pass that rejects its first draft; llama-bench -p w computes one row's logits too)")
     hdr = (f"{'model':30s} {'kernels':>7s} {'thr':>3s} {'w':>3s} {'ours ms [min-max]':>24s} {'ours/1 row':>10s} "
-           f"{'experts/pass':>12s} {'llama.cpp ms [min-max]':>24s} {'llama/1 row':>11s} {'ours/llama':>10s}")
+           f"{'1 head row':>10s} {'experts/pass':>12s} {'llama.cpp ms [min-max]':>24s} {'llama/1 row':>11s} "
+           f"{'ours/llama':>10s}")
     print(hdr)
     print("-" * len(hdr))
     for r in recs:
@@ -325,11 +331,12 @@ def print_widths(recs: list[dict]) -> None:
               if "llama_ms" in r else f"  ({r.get('llama_error', 'no llama-bench')[:50]})")
         ex = f"{r['experts_per_pass']:12.1f}" if r.get("experts_per_pass") is not None else f"{'-':>12s}"
         print(f"{r['model']:30s} {r['kernels']:>7s} {r['threads']:>3d} {r['rows']:>3d} "
-              f"{fmt_spread(r['pass_ms_runs'], 24, 1)} {r['pass_over_decode']:10.2f} {ex} {lc}")
+              f"{fmt_spread(r['pass_ms_runs'], 24, 1)} {r['pass_over_decode']:10.2f} {r['pass_head1_over_decode']:10.2f} "
+              f"{ex} {lc}")
         for k in r:
             if k.startswith("llama_") and k.endswith("_variant") and k != "llama_variant":
                 pre = k[:-len("_variant")]
-                print(f"{'':30s} {'':>7s} {'':>3s} {'':>3s} {'':>24s} {'':>10s} {'':>12s} "
+                print(f"{'':30s} {'':>7s} {'':>3s} {'':>3s} {'':>24s} {'':>10s} {'':>10s} {'':>12s} "
                       f"{fmt_spread(r[pre + '_ms_runs'], 24, 1)} {r[pre + '_over_1']:11.2f} "
                       f"{r['pass_ms'] / r[pre + '_ms']:10.2f}   (llama.cpp CPU variant {r[k]})")
         if "vec_dot_pass_ms" in r:

@@ -8,6 +8,12 @@ the rows in one call, its snapshots written into the previous pass's buffers.
 The rows carry different tokens, as real drafts do (the prompt's first w tokens, repeated as its
 continuation), so that a MoE routes them to different experts; each record also gives the distinct
 experts the w rows read per MoE layer (from the router's top-k on the same rows, mean over layers).
+
+A chain pass is timed twice: with its LM head on every row (`chain_ms`: what the host loop and the parity
+tests run, and the device loop where `Runtime.full_head_rows` covers the width) and with the head on row 0
+only (`chain_head1_ms`: the trunk, then one row of the head as the device loop's lazy walk computes it when
+the first draft is rejected; each accepted draft adds one more head row). The second is the pass that
+llama-bench's `-p w` times: it computes the logits of one row.
 """
 
 from __future__ import annotations
@@ -60,6 +66,21 @@ def loop_pass(rt, tokens, P: int, parent: np.ndarray | None = None):
     return chain if parent is None else tree
 
 
+def loop_pass_head1(rt, tokens, P: int):
+    """fn((state, snaps, _)) -> (state, snaps, logits of row 0): a chain pass as `loop_pass`'s without the LM
+    head, then the head of row 0 alone (`head_row`, the lazy walk's product: the bits row 0 has in the full
+    head), in two dispatches (the device loop runs both in one program): the work of a lazy device-loop pass
+    that rejects its first draft."""
+    w, fns = len(tokens), rt.steps
+
+    def chain(c):
+        v, rt.cache = fns.commit_verify(rt.params, rt.cache, c[0], c[1], np.int32(0), tokens, np.int32(P),
+                                        np.int32(w), head=False)
+        return v.state, v.snaps, fns.head_row(rt.params, rt.cache, v.hidden, np.int32(0))
+
+    return chain
+
+
 def experts_per_width(engine, ids: Sequence[int], widths: Sequence[int]) -> dict[int, float] | None:
     """Distinct routed experts the rows of each width's pass select, mean over the MoE layers (None for a
     dense model): one teacher-forced routing trace of ids + the widest pass's rows."""
@@ -79,9 +100,9 @@ def experts_per_width(engine, ids: Sequence[int], widths: Sequence[int]) -> dict
 
 
 def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int) -> list[dict]:
-    """One record per width w: decode_ms, chain_ms, tree_ms (median/min/max/runs of `repeats` calls at the
-    prompt's end), the ratios to decode_ms and, for a MoE, experts_per_pass (distinct experts of the w
-    rows, mean over layers). w = 1 is the decode step itself."""
+    """One record per width w: decode_ms, chain_ms, chain_head1_ms, tree_ms (median/min/max/runs of `repeats`
+    calls at the prompt's end), the ratios to decode_ms and, for a MoE, experts_per_pass (distinct experts of
+    the w rows, mean over layers). w = 1 is the decode step itself."""
     experts = experts_per_width(engine, ids, widths)
     rt = engine.runtime
     _, _, state = rt.prefill(rt.new_state(), ids)
@@ -99,18 +120,22 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
         rec = {"rows": w}
         put_spread(rec, "decode_ms", dec)
         if w == 1:
-            chain = tree = dec
+            chain = head1 = tree = dec
         else:
             tokens = row_tokens(ids, w)
             parent = np.array([-1] + [(t - 1) // 2 for t in range(1, w)], np.int32)
 
             chain, (state, _) = _timed(loop_pass(rt, tokens, P), (state, repeat_as_snapshots(state, w)), repeats)
+            head1, (state, _, _) = _timed(loop_pass_head1(rt, tokens, P),
+                                          (state, repeat_as_snapshots(state, w), None), repeats)
             tree, (state, _) = _timed(loop_pass(rt, tokens, P, parent), (state, repeat_as_snapshots(state, w)),
                                       repeats)
         put_spread(rec, "chain_ms", chain)
+        put_spread(rec, "chain_head1_ms", head1)
         put_spread(rec, "tree_ms", tree)
         d = spread(dec)["median"]
         rec["chain_over_decode"] = rec["chain_ms"] / d
+        rec["chain_head1_over_decode"] = rec["chain_head1_ms"] / d
         rec["tree_over_decode"] = rec["tree_ms"] / d
         if experts is not None:
             rec["experts_per_pass"] = experts[w]
@@ -120,8 +145,8 @@ def pass_timing(engine, ids: Sequence[int], widths: Sequence[int], repeats: int)
 
 def print_pass_timing(records: list[dict], what: str) -> None:
     print(f"\none trunk pass of w rows vs one decode step ({what}; median [min-max] ms)")
-    hdr = (f"{'w':>3} {'decode ms':>10} {'chain ms [min-max]':>28} {'chain/dec':>9} {'tree ms [min-max]':>28} "
-           f"{'tree/dec':>8}")
+    hdr = (f"{'w':>3} {'decode ms':>10} {'chain ms [min-max]':>28} {'chain/dec':>9} {'1 head row/dec':>14} "
+           f"{'tree ms [min-max]':>28} {'tree/dec':>8}")
     experts = "experts_per_pass" in records[0]
     if experts:
         hdr += f" {'experts/pass':>12}"
@@ -130,6 +155,9 @@ def print_pass_timing(records: list[dict], what: str) -> None:
     for r in records:
         chain = f"{r['chain_ms']:.2f} [{r['chain_ms_min']:.2f}-{r['chain_ms_max']:.2f}]"
         tree = f"{r['tree_ms']:.2f} [{r['tree_ms_min']:.2f}-{r['tree_ms_max']:.2f}]"
-        print(f"{r['rows']:>3} {r['decode_ms']:>10.2f} {chain:>28} {r['chain_over_decode']:>9.2f} {tree:>28} "
+        print(f"{r['rows']:>3} {r['decode_ms']:>10.2f} {chain:>28} {r['chain_over_decode']:>9.2f} "
+              f"{r['chain_head1_over_decode']:>14.2f} {tree:>28} "
               f"{r['tree_over_decode']:>8.2f}" + (f" {r['experts_per_pass']:>12.1f}" if experts else ""))
-    print("a pass of w rows costing about one decode step (ratio ~1) is where speculation pays.")
+    print("a pass of w rows costing about one decode step (ratio ~1) is where speculation pays. chain: the LM head "
+          "on every row; 1 head row: the trunk and row 0's head (the device loop's lazy pass rejecting its first "
+          "draft; llama-bench -p w computes one row's logits too).")

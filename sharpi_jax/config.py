@@ -63,10 +63,10 @@ class RunConfig:
         batch computes every row): "full" (every verify row, one product), "lazy" (one row at a time,
         only the rows the acceptance walk reaches: the certain row, each accepted draft's row; a tree's
         walked path) or "auto": off ggml (e.g. a GPU, where extra rows are nearly free) full; on ggml's
-        CPU kernels full for passes of up to 4 rows with the AVX-512 kernels (2-4 head rows stream at
-        1.06-1.5x one row's time; a chain of k <= 3 ran 1.03-1.05x faster full on the research twin), lazy
-        for wider passes (a tree's 9 rows) and everywhere with AVX2 only, where each head row costs its
-        arithmetic even inside a product (docs/speculation.md; `Runtime.full_head_rows`).
+        CPU kernels full for passes of up to 4 rows (2-4 head rows stream at 1.06-1.5x one row's time; a
+        chain of k <= 3 ran 1.03-1.10x faster full on the research twin, AVX-512 and AVX2), lazy for wider
+        passes (a tree's 9 rows), where each head row costs its arithmetic even inside a product
+        (docs/speculation.md; `Runtime.full_head_rows`).
         Same tokens and stats: each head row has the same bits alone or in a product.
     """
 

@@ -34,7 +34,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "auto_verify_head_full_at_any_width",
         "the device loop's verify head: \"auto\" walks passes wider than AUTO_FULL_HEAD_ROWS lazily on ggml",
         "sharpi_jax/runtime/steps.py",
-        (("    return AUTO_FULL_HEAD_ROWS if ggml.multirow_isa() == \"avx512\" else 0\n",
+        (("    return AUTO_FULL_HEAD_ROWS\n",
           "    return ALL_ROWS  # MUTATION: auto computes every pass's head in one product\n"),),
         ("tests/runtime/test_device_loop.py::test_auto_verify_head_picks_by_pass_width",),
     ),

@@ -32,7 +32,6 @@ from sharpi_jax.errors import InputError
 from sharpi_jax.experts.residency import ExpertCache
 from sharpi_jax.model.transformer import Transformer
 from sharpi_jax.model.tree import TreeRows, tree_arrays
-from sharpi_jax.quant import ggml
 from sharpi_jax.runtime.compiled import Graph, hold, jit_factory, split
 from sharpi_jax.runtime.sampling import argmax
 from sharpi_jax.runtime.state import (DecodeState, Snapshots, init_state, move_kv_rows, repeat_as_snapshots,
@@ -184,10 +183,11 @@ def _pass(logits, hidden, state, snaps) -> Pass:
     return Pass(logits, greedy, hidden, state, snaps)
 
 
-# "auto" on ggml's head with the AVX-512 kernels: passes of up to this many rows compute every row's head in
-# one product. There 2 / 4 head rows stream at 1.06x / 1.5x one row's time (the 248k-row Q6_K head, Zen 4, 2
-# threads), while a lazy walk reads the whole head once per walked row; on the research twin "full" ran the
-# chain 1.03-1.05x faster at k = 1..3 (docs/speculation.md). A tree's 9 rows cost their arithmetic (~2.7x a row).
+# "auto" on ggml's head: passes of up to this many rows compute every row's head in one product. 2 / 4 head
+# rows stream at 1.06x / 1.5x one row's time with the AVX-512 kernels (the 248k-row Q6_K head, Zen 4, 2
+# threads) and at 1.06x / 1.37x with the AVX2 ones (Zen 3, 2026-12-02), while a lazy walk reads the whole head
+# once per walked row; on the research twin "full" ran the chain 1.03-1.05x (Zen 4) and 1.04-1.10x (Zen 3)
+# faster at k = 1..3 (WORKSPACE.md). Wider passes (a tree's 9 rows) cost their arithmetic (8 rows ~2.7x a row).
 AUTO_FULL_HEAD_ROWS = 4
 ALL_ROWS = 1 << 30  # no pass is wider
 
@@ -195,13 +195,12 @@ ALL_ROWS = 1 << 30  # no pass is wider
 def full_head_rows(verify_head: str, on_ggml: bool) -> int:
     """`RunConfig.verify_head` resolved: the widest verify pass that computes its LM head in one product
     ("full": every pass; "lazy": none; "auto": every pass off ggml, e.g. on a GPU where extra rows are nearly
-    free; on ggml AUTO_FULL_HEAD_ROWS with the AVX-512 kernels, none with AVX2 only, where each head row costs
-    its arithmetic even inside a product)."""
+    free; on ggml AUTO_FULL_HEAD_ROWS, beyond which each extra head row costs its arithmetic)."""
     if verify_head == "full" or (verify_head == "auto" and not on_ggml):
         return ALL_ROWS
     if verify_head == "lazy":
         return 0
-    return AUTO_FULL_HEAD_ROWS if ggml.multirow_isa() == "avx512" else 0
+    return AUTO_FULL_HEAD_ROWS
 
 
 class Runtime:

@@ -412,9 +412,11 @@ def test_bench_decode(runs, request):
         (k, w, 1) for k in ("ggml", "xla") for w in (1, 2, 3)]
     for r in widths:
         _check_spread(r, "pass_ms", rounds=2)
+        _check_spread(r, "pass_head1_ms", rounds=2)
         assert 1 <= r["experts_per_pass"] <= r["rows"] * 4  # the default model routes top-4 of 16
         assert "llama_error" in r  # no --llama_bin here
     assert widths[0]["pass_over_decode"] == 1.0 and widths[2]["experts_per_pass"] >= widths[0]["experts_per_pass"]
+    assert widths[0]["pass_head1_over_decode"] == 1.0  # w = 1: the decode step itself
     assert "one trunk pass of w rows (different tokens per row)" in res.stdout
     assert [r["kernels"] for r in recs] == ["ggml", "xla"]  # the default --kernels, side by side
     assert "copy bandwidth" in res.stdout and all(r["copy_gb_s"] > 0 for r in recs)
@@ -444,7 +446,7 @@ def test_bench_verify(runs, request):
     assert best["setting"].startswith("chain k=1" if top["speculative"] == "mtp" else "tree k=1 nodes=2")
     assert f"best lossless setting: {best['setting']}, " in res.stdout
     for r in passes:
-        for key in ("decode_ms", "chain_ms", "tree_ms"):
+        for key in ("decode_ms", "chain_ms", "chain_head1_ms", "tree_ms"):
             _check_spread(r, key, rounds=2)
         assert 1 <= r["experts_per_pass"] <= 4 * r["rows"]  # distinct experts the rows read, per layer
     # after the chain and tree rows: the chain and the tree with --draft_vocab, the --p_mins rows (full head, then
@@ -473,8 +475,7 @@ def test_bench_verify(runs, request):
     assert dv[0]["same_tokens_as_off"] and tdv[0]["same_tokens_as_off"] and len(tdv[0]["accept_per_depth"]) == 1
     assert "draft_vocab rows" in res.stdout and "tree draft_vocab rows" in res.stdout
     assert "tree/chain" in res.stdout
-    from sharpi_jax.quant import ggml
-    own = "full up to 4 rows, lazy above" if ggml.multirow_isa() == "avx512" else "lazy"  # the default's own mode
+    own = "full up to 4 rows, lazy above"  # the default's own mode
     assert f"verify head {own};" in res.stdout and "verify-head rows" in res.stdout  # then full
     assert [(r["speculative"], r["verify_head"]) for r in vh] == [("mtp", "full"), ("mtp_tree", "full")]
     assert all(r["same_tokens_as_off"] and r["vs_own_head"] > 0 for r in vh)

@@ -1,9 +1,9 @@
 """The device loop (`sharpi_jax.runtime.device_loop`): one jitted while_loop per generation gives the
 host loop's tokens and stats, bit for bit, for MTP off, the MTP chain and the MTP tree, greedy and
 seeded; stops (EOS inside an accepted run, max_new_tokens, the context end) land where the host loop's
-do; SnapKV. The verify head (`RunConfig.verify_head`): the default on ggml computes the LM head of the
-walked rows only (lazy), "full" every row; both, and lazy on XLA, give the host loop's tokens, and the
-lazy program has no full-width head product.
+do; SnapKV. The verify head (`RunConfig.verify_head`): "lazy" computes the LM head of the walked rows
+only, "full" every row, the default on ggml full up to 4 rows and lazy above; all, and lazy on XLA, give
+the host loop's tokens, and the lazy program has no full-width head product.
 
 Fast tier: the embedded default model and one fixture file; slow: every fixture file."""
 
@@ -16,7 +16,6 @@ import pytest
 import sharpi_jax as sj
 from sharpi_jax.errors import InputError
 from sharpi_jax.model.snapkv import policy
-from sharpi_jax.quant import ggml
 from sharpi_jax.runtime.device_loop import out_slots
 from sharpi_jax.runtime.sampling import SamplingParams
 from sharpi_jax.runtime.strategies import chain, tree
@@ -221,13 +220,12 @@ def test_full_verify_head_gives_the_lazy_loops_tokens(default_engine, monkeypatc
 
 def test_verify_head_option():
     """`verify_head` resolves at load: "auto" computes the head of passes up to AUTO_FULL_HEAD_ROWS rows in one
-    product on ggml with the AVX-512 kernels (none with AVX2 only) and of every pass off ggml; "full" and
-    "lazy" hold for every width; a bad value is a one-line error."""
+    product on ggml and of every pass off ggml; "full" and "lazy" hold for every width; a bad value is a
+    one-line error."""
     widest = 1 << 20
     auto = sj.load(max_context=64).runtime
-    avx512 = ggml.multirow_isa() == "avx512"
-    assert auto.lazy_head_for(AUTO_FULL_HEAD_ROWS + 1) and auto.lazy_head_for(2) != avx512
-    assert auto.lazy_head_for(AUTO_FULL_HEAD_ROWS) != avx512
+    assert auto.lazy_head_for(AUTO_FULL_HEAD_ROWS + 1) and not auto.lazy_head_for(2)
+    assert not auto.lazy_head_for(AUTO_FULL_HEAD_ROWS)
     assert not sj.load(max_context=64, verify_head="full").runtime.lazy_head_for(widest)
     assert sj.load(max_context=64, verify_head="lazy").runtime.lazy_head_for(2)
     assert not sj.load(max_context=64, kernels="xla").runtime.lazy_head_for(widest)
@@ -293,13 +291,13 @@ def test_lazy_verify_head_computes_one_head_row_at_a_time(default_engine, monkey
 
 
 def test_auto_verify_head_picks_by_pass_width(default_engine, monkeypatch):
-    """"auto" on ggml (the default here): with the AVX-512 kernels a chain pass of up to AUTO_FULL_HEAD_ROWS
-    rows holds the pass-wide head product and a wider one (chain k = 4, the 9-row tree) walks lazily;
-    with AVX2 only every pass walks lazily. Read from the loop programs, as the test above."""
+    """"auto" on ggml (the default here): a chain pass of up to AUTO_FULL_HEAD_ROWS rows holds the pass-wide
+    head product and a wider one (chain k = 4, the 9-row tree) walks lazily. Read from the loop programs, as
+    the test above."""
     e = default_engine
     monkeypatch.setattr(e.runtime, "full_head_rows", full_head_rows("auto", on_ggml=True))
     prompt, V = e.tokenizer.encode("def f(x):\n"), e.config.n_vocab
-    full_at = AUTO_FULL_HEAD_ROWS if ggml.multirow_isa() == "avx512" else 0
+    full_at = AUTO_FULL_HEAD_ROWS
     runs = [(chain, k + 1, lambda k=k: generate_mtp_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), k))
             for k in (AUTO_FULL_HEAD_ROWS - 1, AUTO_FULL_HEAD_ROWS)]
     runs.append((tree, 9, lambda: generate_tree_device(e.runtime, e.mtp, prompt, 4, GREEDY, (), 3, 8)))
