@@ -178,7 +178,7 @@ MultiRowFn avx2_kernel(int qtype) {
   }
 }
 
-int64_t multirow_min_rows(int, int64_t k) { return k <= kShortRow ? 1 : 2; }
+int64_t multirow_min_rows(int, int64_t) { return 1; }
 
 void set_multirow_enabled(bool on) { g_enabled.store(on); }
 bool multirow_enabled() { return g_enabled.load(); }

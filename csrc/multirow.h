@@ -34,11 +34,11 @@ using MultiRowFn = void (*)(int64_t k, const uint8_t* w, size_t w_row, int64_t n
 MultiRowFn multirow_kernel(int qtype);
 
 // From how many activation rows a product of the type's rows of k values runs its kernel rather than one
-// vec_dot per element: 1 for rows of at most kShortRow values (the routed and shared experts' down
-// projections, K = 512: ggml's vec_dot spends a large share of a two-block row on its per-call setup and final
-// sum, and the kernel's one-row form measured 1.1-1.3x faster there), else 2 (at K = 2048 the one-row
-// form does not beat vec_dot). Never changes a bit: both paths give vec_dot's bits.
-constexpr int64_t kShortRow = 1024;
+// vec_dot per element: 1, every row count. The kernel's one-row form reads the weight stream with a software
+// prefetch (multirow_common.h) that ggml's vec_dot lacks: on an Intel Xeon (Sapphire Rapids class, 2
+// threads) one row of the slice's streamed Q4_K expert slabs ran 2.1x and of its Q6_K LM head 1.25x faster
+// than vec_dot, and a decode step 1.45x; on Zen 4 the two were within noise (0.89-1.09x at K = 2048,
+// 1.1-1.3x at K = 512). Never changes a bit: both paths give vec_dot's bits.
 int64_t multirow_min_rows(int qtype, int64_t k);
 
 // Whether multirow_kernel may return kernels (on by default; off only to measure the vec_dot path).

@@ -4,8 +4,7 @@ References independent of the kernels: ggml's own graph (`ggml_mul_mat` on ggml'
 ctypes, experiments/ggml_graph.py) and ggml's vec_dot path of the same extension (`set_multirow(False)`,
 one ggml vec_dot per element). Blocks are real: fixture tensors and ggml's own quantizer at K = 2048 (the
 35B hidden size: several super-blocks per row) with a partial last tile of weight rows. Row counts cover
-both sides of the vec_dot / multi-row switch (`multirow_min_rows`: 2 rows at K = 2048, 1 row for the fixtures'
-short rows), every group size of the kernels and
+the kernels' one-row form (`multirow_min_rows` is 1: every product runs the kernel), every group size of the kernels and
 many groups: AVX2 groups of 2 to 4 rows (M = 5, 6 and 17 run as 2 + 3, 3 + 3 and 3 + 3 + 3 + 4 + 4),
 AVX-512 groups of 2 to 8 (M = 17 and 37 run as 5 + 6 + 6 and 7 + 7 + 7 + 8 + 8). Every test runs once per
 instruction set this CPU runs (the `isa` fixture); the AVX-512 set is skipped, with the reason, on a CPU
@@ -69,9 +68,9 @@ def test_multirow_serves_the_k_quants():
     multi-row with either instruction set."""
     assert all(ggml.multirow(t) for t in TYPES)
     assert not ggml.multirow(Q.Q8_0) and not ggml.multirow(Q.F32)
-    # Rows of 2048 values (the fast widths cross the switch) from 2 rows; short rows (the experts' down
-    # projections, 512) from one, so the fixture's short rows run the kernel's one-row form at M = 1.
-    assert all(ggml.multirow_min_rows(t, 2048) == 2 and ggml.multirow_min_rows(t, 512) == 1 for t in TYPES)
+    # Every product from one row, long rows (2048) and short ones (the experts' down projections, 512): M = 1
+    # runs the kernel's one-row form, which the bitwise tests compare with ggml's graph.
+    assert all(ggml.multirow_min_rows(t, 2048) == 1 and ggml.multirow_min_rows(t, 512) == 1 for t in TYPES)
     assert all(_cols(_weights(t)[0], t) <= 1024 < _cols(_weights(t)[1], t) for t in TYPES)
 
 
