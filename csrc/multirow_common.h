@@ -65,13 +65,8 @@ SHARPI_INLINE __m128i scale_min_k4(const uint8_t* q) {
   return _mm_set_epi32(static_cast<int>(mn1), static_cast<int>(mn0), static_cast<int>(sc1), static_cast<int>(sc0));
 }
 
-// Software prefetch of the weight stream: a kernel starting a block asks for the bytes kPrefetchAhead past
-// it (its lines, `bytes` of them). The hardware prefetcher alone let a 2-4 row product stall on memory in
-// turns with computing (Zen 4, 2 threads, streamed 12352 x 2048 Q4_K: the AVX-512 kernels 4-8% faster with
-// it, the AVX2 ones within noise). A prefetch never faults, so reading past the matrix's end is harmless; it
-// changes no bit.
-constexpr size_t kPrefetchAhead = 2048;
-
+// Software prefetch of the weight stream (kPrefetchAhead, multirow.h): a kernel starting a block asks for the
+// bytes kPrefetchAhead past it (its lines, `bytes` of them).
 SHARPI_INLINE void prefetch_ahead(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + o), _MM_HINT_T0);
 }
