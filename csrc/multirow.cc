@@ -1,8 +1,9 @@
 // Multi-row kernels for Q4_K, Q5_K and Q6_K weights, AVX2 + FMA + F16C, and the choice between them and the
 // AVX-512 ones (csrc/multirow_avx512.cc) at run time.
 //
-// Q8_0 has none: its blocks need no unpacking (bytes and one f16 scale), so ggml's vec_dot is already
-// bound by the multiplies, and a multi-row form measured slower than it at every row count.
+// Q8_0 has no AVX2 kernel: its blocks need no unpacking (bytes and one f16 scale), and a 256-bit multi-row
+// form measured 0.93-1.0x ggml's vec_dot at every row count (Zen 3). The AVX-512 set has one
+// (multirow_avx512.cc: two blocks a register, vpdpbusd), from two rows.
 //
 // Loop order: for each weight row of the tile and each super-block, each 32-value chunk is unpacked into
 // registers (quants to bytes, its scale to an int16 vector) and multiplied at once with the same chunk of
@@ -178,7 +179,7 @@ MultiRowFn avx2_kernel(int qtype) {
   }
 }
 
-int64_t multirow_min_rows(int, int64_t) { return 1; }
+int64_t multirow_min_rows(int qtype, int64_t) { return qtype == GGML_TYPE_Q8_0 ? 2 : 1; }
 
 void set_multirow_enabled(bool on) { g_enabled.store(on); }
 bool multirow_enabled() { return g_enabled.load(); }

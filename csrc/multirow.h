@@ -1,5 +1,5 @@
 // Multi-row products: each weight chunk is unpacked once and used for a group of activation rows (up to 4
-// with AVX2, up to 8 with AVX-512).
+// with AVX2, up to 8 with AVX-512). Q4_K, Q5_K and Q6_K on both sets; Q8_0 on AVX-512.
 //
 // A kernel here computes out[m][n] for a tile of weight rows n and any number of activation rows m,
 // bit for bit equal to ggml's `vec_dot(K, weight row n, activation row m)` (its AVX2 build, the one the
@@ -43,11 +43,12 @@ MultiRowFn multirow_kernel(int qtype);
 constexpr size_t kPrefetchAhead = 2048;
 
 // From how many activation rows a product of the type's rows of k values runs its kernel rather than one
-// vec_dot per element: 1, every row count. The kernel's one-row form reads the weight stream with a software
-// prefetch (multirow_common.h) that ggml's vec_dot lacks: on an Intel Xeon (Sapphire Rapids class, 2
+// vec_dot per element: 1 for the K-quants, 2 for Q8_0. The K-quant kernels' one-row form reads the weight
+// stream with the software prefetch that ggml's vec_dot lacks: on an Intel Xeon (Sapphire Rapids class, 2
 // threads) one row of the slice's streamed Q4_K expert slabs ran 2.1x and of its Q6_K LM head 1.25x faster
 // than vec_dot, and a decode step 1.45x; on Zen 4 the two were within noise (0.89-1.09x at K = 2048,
-// 1.1-1.3x at K = 512). Never changes a bit: both paths give vec_dot's bits.
+// 1.1-1.3x at K = 512). The AVX-512 Q8_0 kernel is 1.14-1.6x vec_dot from 2 rows but 0.83-0.97x at one row
+// (where vec_dot is prefetched too, ggml_ops.cc). Never changes a bit: both paths give vec_dot's bits.
 int64_t multirow_min_rows(int qtype, int64_t k);
 
 // Whether multirow_kernel may return kernels (on by default; off only to measure the vec_dot path).

@@ -1,4 +1,4 @@
-// Multi-row kernels for Q4_K, Q5_K and Q6_K weights, AVX-512 (F, BW, VL) with VNNI, picked at run time
+// Multi-row kernels for Q4_K, Q5_K, Q6_K and Q8_0 weights, AVX-512 (F, BW, VL) with VNNI, picked at run time
 // where the CPU has them (csrc/multirow.cc chooses).
 //
 // Same products, same bits as the AVX2 kernels (ggml's AVX2 vec_dot): a 512-bit register holds two 32-value
@@ -11,6 +11,8 @@
 // (multirow_common.h). The 32 vector registers hold the sums of up to 8 activation rows, so a weight chunk
 // is unpacked once for twice as many rows as on AVX2.
 #include <immintrin.h>
+
+#include <vector>
 
 #include "ggml.h"
 #include "multirow_common.h"
@@ -264,6 +266,76 @@ struct Q6 {
   }
 };
 
+// ---- Q8_0 ------------------------------------------------------------------------------------------
+//
+// ggml's AVX2 vec_dot for Q8_0 x Q8_0, per 32-value block: ax = sign(x, x), sy = sign(y, x), int32 lane i =
+// the products of bytes 4i..4i+3 (vpmaddubsw, vpmaddwd by ones), converted to float and added with one fused
+// multiply-add by d = f16(x.d) * f16(y.d) into 8 float lanes, block after block; then its horizontal sum.
+// Here a 512-bit register holds two blocks' quants: |x| and the sign mask are shared by the group, each row
+// pays one masked negation (where x is 0, |x| is 0, so y need not be zeroed) and one vpdpbusd. The lane sums
+// are exact and equal to ggml's (|x| <= 128, so no int16 pair of vpmaddubsw can saturate: |2 * 128 * 128|
+// = 32768 only as -32768), and each 256-bit half is fused into the row's 8 lanes in block order.
+struct Q80 {
+  static constexpr size_t kBlock = 34;  // f16 d; int8 qs[32]
+
+  template <int R>
+  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                  const uint8_t* const* q, float* const* out) {
+    const int64_t nb = k / 32;
+    const __m512i zero = _mm512_setzero_si512();
+    // The rows' block scales as floats, [block][8 rows] (converted once per tile, not once per weight row):
+    // f16(x.d) * these in one vector multiply is each row's d, ggml's scalar product.
+    thread_local std::vector<float> yd_buf;
+    yd_buf.assign(static_cast<size_t>(nb) * 8, 0.0f);
+    float* yd = yd_buf.data();
+    for (int64_t i = 0; i < nb; ++i)
+      for (int r = 0; r < R; ++r) yd[i * 8 + r] = f16(q[r] + i * kBlock);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * w_row;
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 2 <= nb; i += 2) {
+        const uint8_t* b = wr + i * kBlock;
+        prefetch_ahead(b, 2 * kBlock);
+        const __m512i x = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kBlock + 2)), 1);
+        const __mmask64 neg = _mm512_movepi8_mask(x);
+        const __m512i ax = _mm512_abs_epi8(x);
+        const __m256 d0 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_loadu_ps(yd + i * 8));
+        const __m256 d1 = _mm256_mul_ps(_mm256_set1_ps(f16(b + kBlock)), _mm256_loadu_ps(yd + i * 8 + 8));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* a = q[r] + i * kBlock;
+          const __m512i y = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kBlock + 2)), 1);
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, ax, _mm512_mask_sub_epi8(y, neg, zero, y)));
+          const __m256i lane = _mm256_set1_epi32(r);
+          acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d0, lane), _mm512_castps512_ps256(f), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d1, lane),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)), acc[r]);
+        }
+      }
+      if (i < nb) {  // an odd last block: ggml's own steps
+        const uint8_t* b = wr + i * kBlock;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        const __m256i ax = _mm256_sign_epi8(x, x), ones = _mm256_set1_epi16(1);
+        const float xd = f16(b);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* a = q[r] + i * kBlock;
+          const __m256i sy = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2)), x);
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(ax, sy)));
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xd * f16(a)), f, acc[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) out[r][n] = hsum8(acc[r]);
+    }
+  }
+};
+
 }  // namespace
 
 bool cpu_has_avx512_kernels() {
@@ -285,6 +357,7 @@ MultiRowFn avx512_kernel(int qtype) {
     case GGML_TYPE_Q4_K: return rows_of<kGroup, K4<false>>;
     case GGML_TYPE_Q5_K: return q5_rows;
     case GGML_TYPE_Q6_K: return rows_of<kGroup, Q6>;
+    case GGML_TYPE_Q8_0: return rows_of<kGroup, Q80>;
     default: return nullptr;
   }
 }

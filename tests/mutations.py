@@ -327,6 +327,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
     ),
     Mutation(
+        "multirow_avx512_q8_0_second_block_scale",
+        "ggml backend: multi-row Q8_0 products give ggml's vec_dot bits (AVX-512 kernel)",
+        "csrc/multirow_avx512.cc",
+        (("          acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d1, lane),\n",
+          "          acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d0, lane),  // MUTATION: block 2i's scale\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
+    ),
+    Mutation(
+        "multirow_avx512_q8_0_sign_unmasked",
+        "ggml backend: multi-row Q8_0 products give ggml's vec_dot bits (AVX-512 kernel)",
+        "csrc/multirow_avx512.cc",
+        (("        const __mmask64 neg = _mm512_movepi8_mask(x);\n",
+          "        const __mmask64 neg = _mm512_movepi8_mask(x) & 0x7FFFFFFFFFFFFFFFull;  // MUTATION: a lane's sign lost\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
+    ),
+    Mutation(
         "multirow_avx512_pair_fold_swaps_rows",
         "ggml backend: multi-row K-quant products give ggml's vec_dot bits (AVX-512 kernels)",
         "csrc/multirow_avx512.cc",

@@ -22,7 +22,8 @@ from tests.bitwise import assert_bitwise_equal
 from tests.quant.test_ggml import _blocks, _cols, _experts, _ids, _reference, _x
 from gguf import GGMLQuantizationType as Q
 
-TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = K_QUANTS + (Q.Q8_0,)  # Q8_0: a kernel on AVX-512 only (the AVX2 runs check its vec_dot path)
 FAST_MS = (1, 2, 3, 4, 5, 6, 8, 16, 17, 37, 64)
 
 
@@ -62,20 +63,25 @@ def vec_dot_path(isa):
     ggml.set_multirow(True)
 
 
-@pytest.mark.usefixtures("isa")
-def test_multirow_serves_the_k_quants():
+def test_multirow_serves_the_k_quants(isa):
     """On these machines (x86 with AVX2, some with AVX-512) the K-quants of Q4_K_M / Q5_K_M / Q6_K files run
-    multi-row with either instruction set."""
-    assert all(ggml.multirow(t) for t in TYPES)
-    assert not ggml.multirow(Q.Q8_0) and not ggml.multirow(Q.F32)
-    # Every product from one row, long rows (2048) and short ones (the experts' down projections, 512): M = 1
-    # runs the kernel's one-row form, which the bitwise tests compare with ggml's graph.
-    assert all(ggml.multirow_min_rows(t, 2048) == 1 and ggml.multirow_min_rows(t, 512) == 1 for t in TYPES)
+    multi-row with either instruction set, Q8_0 with the AVX-512 set."""
+    assert all(ggml.multirow(t) for t in K_QUANTS)
+    assert ggml.multirow(Q.Q8_0) == (isa == "avx512")
+    assert not ggml.multirow(Q.F32)
+    # K-quants: every product from one row, long rows (2048) and short ones (the experts' down projections,
+    # 512): M = 1 runs the kernel's one-row form, which the bitwise tests compare with ggml's graph. Q8_0 from
+    # two rows (one row: the prefetched vec_dot is faster).
+    assert all(ggml.multirow_min_rows(t, 2048) == 1 and ggml.multirow_min_rows(t, 512) == 1 for t in K_QUANTS)
+    assert ggml.multirow_min_rows(Q.Q8_0, 2048) == 2
     assert all(_cols(_weights(t)[0], t) <= 1024 < _cols(_weights(t)[1], t) for t in TYPES)
 
 
 def _weights(qt):
-    return (_blocks(qt, rows=100), _blocks(qt, rows=100, cols=2048, fixture=False, seed=5))
+    ws = (_blocks(qt, rows=100), _blocks(qt, rows=100, cols=2048, fixture=False, seed=5))
+    if qt == Q.Q8_0:  # an odd block count: the AVX-512 kernel's last block runs alone
+        ws += (_blocks(qt, rows=37, cols=96, fixture=False, seed=7),)
+    return ws
 
 
 def _check(qt, ms):
@@ -111,6 +117,26 @@ def test_multirow_equals_vec_dot_path(qt, request):
     on = ggml.host_matmul(x, raw, qt, threads=2)
     request.getfixturevalue("vec_dot_path")
     assert_bitwise_equal(ggml.host_matmul(x, raw, qt, threads=1), on)
+
+
+@pytest.mark.usefixtures("isa")
+def test_q8_0_extreme_quants_are_ggml_bitwise():
+    """Q8_0 blocks holding -128 (ggml's quantizer never writes it; a file may): vpsignb wraps -(-128) to -128,
+    and the AVX-512 kernel's masked negation and vpdpbusd must give the same lane sums as ggml's graph."""
+    rng = np.random.default_rng(11)
+    n, k = 40, 2048 + 32  # 65 blocks: pairs and an odd last block
+    nb = k // 32
+    blk = np.zeros((n, nb, 34), np.uint8)
+    blk[:, :, :2] = (rng.standard_normal((n, nb)) * 0.02).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    qs = rng.integers(-128, 128, (n, nb, 32)).astype(np.int8)
+    qs[:, :, :5] = -128
+    qs[:, :, 5:8] = 0
+    blk[:, :, 2:] = qs.view(np.uint8)
+    raw = blk.reshape(n, -1)
+    x = _x(17, k, seed=12) * 4.0
+    x[:, :64] = -7.0  # activations at their block's extreme: y quantized to -127
+    for m in (1, 2, 8, 17):
+        assert_bitwise_equal(ggml.host_matmul(x[:m], raw, Q.Q8_0, threads=2), _reference().mul_mat(x[:m], raw, Q.Q8_0))
 
 
 @pytest.mark.usefixtures("isa")
