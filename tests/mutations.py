@@ -360,7 +360,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "multirow_one_row_form_lost",
-        "ggml backend: multi-row K-quant products give ggml's vec_dot bits (the one-row form for short rows)",
+        "ggml backend: multi-row K-quant products give ggml's vec_dot bits (the kernels' one-row form)",
         "csrc/multirow_avx512.cc",
         (("      for (int r = 2 * P; r < R; ++r) out[r][n] = k4_result<kQ5>(a[r]);\n",
           "      for (int r = 2 * P; r < R; ++r) out[r][n] = R == 1 ? 0.0f : k4_result<kQ5>(a[r]);  // MUTATION\n"),),
