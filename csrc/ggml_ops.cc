@@ -188,10 +188,9 @@ void rows_product(const Kernel& kr, const uint8_t* w, int64_t n0, int64_t n1, co
   for (int64_t m = 0; m < rs.m; ++m)
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * kr.w_row;
-      // The first row's pass streams the tile from memory: ask for the bytes kPrefetchAhead past this weight
-      // row's, as the kernels do per block (ggml's vec_dot has no prefetch). A hint: no bit changes.
-      if (m == 0)
-        for (size_t o = 0; o < kr.w_row; o += 64) __builtin_prefetch(wr + sharpi::kPrefetchAhead + o, 0, 3);
+      // The first row's pass streams the tile from memory: prefetch as the kernels do per block (ggml's
+      // vec_dot has none). A hint: no bit changes.
+      if (m == 0) sharpi::prefetch_ahead(wr, kr.w_row);
       rs.out[m][n] = kr.dot(wr, rs.q[m]);
     }
 }

@@ -42,6 +42,12 @@ MultiRowFn multirow_kernel(int qtype);
 // changes no bit.
 constexpr size_t kPrefetchAhead = 2048;
 
+// Asks for the `bytes` of weight stream that start kPrefetchAhead past p (a block's or a row's lines): the
+// one prefetch of the kernels (per block) and of ggml_ops.cc's vec_dot path (per weight row).
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, size_t bytes) {
+  for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + kPrefetchAhead + o, 0, 3);
+}
+
 // From how many activation rows a product of the type's rows of k values runs its kernel rather than one
 // vec_dot per element: 1 for the K-quants, 2 for Q8_0. The K-quant kernels' one-row form reads the weight
 // stream with the software prefetch that ggml's vec_dot lacks: on an Intel Xeon (Sapphire Rapids class, 2

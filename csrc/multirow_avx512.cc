@@ -278,6 +278,12 @@ struct Q6 {
 struct Q80 {
   static constexpr size_t kBlock = 34;  // f16 d; int8 qs[32]
 
+  // The quants of blocks p (low 256 bits) and p + 1 (high), weight or activation.
+  SHARPI_INLINE512 static __m512i pair(const uint8_t* p) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kBlock + 2)), 1);
+  }
+
   template <int R>
   SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
                                   const uint8_t* const* q, float* const* out) {
@@ -298,9 +304,7 @@ struct Q80 {
       for (; i + 2 <= nb; i += 2) {
         const uint8_t* b = wr + i * kBlock;
         prefetch_ahead(b, 2 * kBlock);
-        const __m512i x = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kBlock + 2)), 1);
+        const __m512i x = pair(b);
         const __mmask64 neg = _mm512_movepi8_mask(x);
         const __m512i ax = _mm512_abs_epi8(x);
         const __m256 d0 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_loadu_ps(yd + i * 8));
@@ -308,9 +312,7 @@ struct Q80 {
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const uint8_t* a = q[r] + i * kBlock;
-          const __m512i y = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kBlock + 2)), 1);
+          const __m512i y = pair(a);
           const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, ax, _mm512_mask_sub_epi8(y, neg, zero, y)));
           const __m256i lane = _mm256_set1_epi32(r);
           acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d0, lane), _mm512_castps512_ps256(f), acc[r]);

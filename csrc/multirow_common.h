@@ -65,12 +65,6 @@ SHARPI_INLINE __m128i scale_min_k4(const uint8_t* q) {
   return _mm_set_epi32(static_cast<int>(mn1), static_cast<int>(mn0), static_cast<int>(sc1), static_cast<int>(sc0));
 }
 
-// Software prefetch of the weight stream (kPrefetchAhead, multirow.h): a kernel starting a block asks for the
-// bytes kPrefetchAhead past it (its lines, `bytes` of them).
-SHARPI_INLINE void prefetch_ahead(const uint8_t* p, size_t bytes) {
-  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + o), _MM_HINT_T0);
-}
-
 // ---- ggml's float steps ----------------------------------------------------------------------------
 
 // One activation row's running sums against one weight row: 8 float lanes, and the mins term (4 float
