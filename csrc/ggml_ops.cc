@@ -46,6 +46,7 @@ constexpr int64_t kTileRows = 16;  // weight rows per work unit (ggml's mul_mat 
 // ---------------------------------------------------------------------------------------------
 
 using Body = std::function<void(int64_t)>;
+using RangeBody = std::function<void(int64_t, int64_t)>;  // units [i0, i1), consecutive
 using Spawn = std::function<void(std::function<void()>)>;  // runs a task on another thread
 
 struct Shared {
@@ -57,20 +58,20 @@ struct Shared {
 
 // The caller works too; it returns once every unit is done. Helpers that start after the last unit
 // was taken find nothing to do and only touch `Shared` (kept alive by the shared_ptr they hold).
-void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
+// fn(i0, i1) over runs of consecutive units covering [0, n) once.
+void parallel_ranges(int64_t n, int threads, const Spawn& spawn, const RangeBody& fn) {
   if (n <= 0) return;
   if (threads <= 1 || n == 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
+    fn(0, n);
     return;
   }
   auto st = std::make_shared<Shared>();
-  const Body* body = &fn;
+  const RangeBody* body = &fn;
   // Workers take runs of consecutive units (about 8 runs per thread): neighbouring units write
   // neighbouring outputs, so runs keep threads off each other's cache lines and still balance load.
   const int64_t chunk = std::max<int64_t>(1, n / (8 * static_cast<int64_t>(threads)));
   auto take = [st, body, n, chunk]() {
-    for (int64_t i0; (i0 = st->next.fetch_add(chunk)) < n;)
-      for (int64_t i = i0, end = std::min(n, i0 + chunk); i < end; ++i) (*body)(i);
+    for (int64_t i0; (i0 = st->next.fetch_add(chunk)) < n;) (*body)(i0, std::min(n, i0 + chunk));
   };
   auto work = [st, take]() {
     st->active.fetch_add(1);
@@ -92,6 +93,12 @@ void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
   st->cv.wait(lock, [&] { return st->active.load() == 0; });
 }
 
+void parallel_for(int64_t n, int threads, const Spawn& spawn, const Body& fn) {
+  parallel_ranges(n, threads, spawn, [&fn](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) fn(i);
+  });
+}
+
 // Below this many multiply-adds a loop runs on the calling thread: handing units to another thread
 // (a task, a wake-up, a condition variable) costs tens of microseconds, more than a tiny model's
 // products. Results do not depend on it (row-stable kernels give the same bits on any thread count).
@@ -104,6 +111,10 @@ struct Pool {
   // `work`: about how many multiply-adds the n units take together.
   void run(int64_t n, int64_t work, const Body& fn) const {
     parallel_for(n, work < min_work ? 1 : threads, spawn, fn);
+  }
+  // The same split, each run of consecutive units in one call.
+  void run_ranges(int64_t n, int64_t work, const RangeBody& fn) const {
+    parallel_ranges(n, work < min_work ? 1 : threads, spawn, fn);
   }
 };
 
@@ -212,9 +223,16 @@ void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const u
   }
   const sharpi::RowSet rs{qp.data(), op.data(), m_rows};
   int64_t tiles = (n_rows + kTileRows - 1) / kTileRows;
-  pool.run(tiles, m_rows * n_rows * k, [&](int64_t t) {
-    int64_t n0 = t * kTileRows, n1 = std::min(n_rows, n0 + kTileRows);
-    rows_product(kr, w, n0, n1, rs);
+  pool.run_ranges(tiles, m_rows * n_rows * k, [&](int64_t t0, int64_t t1) {
+    // Rows that a kernel takes in one group see each weight row once whatever the range: one call for the
+    // whole run, so its per-call set-up (the activations' bsums, scales, interleaved quants) is paid once
+    // per run, not per tile. More rows, or vec_dot, go tile by tile, each tile's weights kept in cache for
+    // every group of rows.
+    if (kr.multirow != nullptr && m_rows >= kr.multirow_min && m_rows <= sharpi::multirow_group_rows()) {
+      rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows), rs);
+      return;
+    }
+    for (int64_t t = t0; t < t1; ++t) rows_product(kr, w, t * kTileRows, std::min(n_rows, (t + 1) * kTileRows), rs);
   });
 }
 

@@ -193,6 +193,8 @@ bool set_multirow_isa(const std::string& name) {
   return true;
 }
 
+int64_t multirow_group_rows() { return g_isa.load(std::memory_order_relaxed) == Isa::kAvx512 ? avx512_group_rows() : kGroup; }
+
 std::string multirow_isa() {
   switch (g_isa.load()) {
     case Isa::kAvx512: return "avx512";

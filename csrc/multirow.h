@@ -57,6 +57,10 @@ inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, size
 // (where vec_dot is prefetched too, ggml_ops.cc). Never changes a bit: both paths give vec_dot's bits.
 int64_t multirow_min_rows(int qtype, int64_t k);
 
+// The most activation rows the kernels multirow_kernel returns take in one group (one pass over each weight
+// row): 8 with AVX-512, 4 with AVX2.
+int64_t multirow_group_rows();
+
 // Whether multirow_kernel may return kernels (on by default; off only to measure the vec_dot path).
 void set_multirow_enabled(bool on);
 bool multirow_enabled();
@@ -75,5 +79,6 @@ bool set_multirow_isa(const std::string& name);
 MultiRowFn avx2_kernel(int qtype);
 bool cpu_has_avx512_kernels();
 MultiRowFn avx512_kernel(int qtype);
+int64_t avx512_group_rows();
 
 }  // namespace sharpi

@@ -9,7 +9,8 @@
 // saturate: a pair of products of a 6-bit quant and an int8 is at most 2 * 63 * 128 = 16128 in magnitude), so the folded
 // lanes equal ggml's, and the float steps that follow are the shared ones in ggml's order
 // (multirow_common.h). The 32 vector registers hold the sums of up to 8 activation rows, so a weight chunk
-// is unpacked once for twice as many rows as on AVX2.
+// is unpacked once for twice as many rows as on AVX2. From 4 rows the K-quant kernels take "packed dots"
+// instead (below): the same lanes from three multiplies a 128 values instead of four.
 #include <immintrin.h>
 
 #include <vector>
@@ -97,6 +98,52 @@ SHARPI_INLINE512 const PairScales* pair_scales(int64_t nb, const uint8_t* const*
   return buf.data();
 }
 
+// ---- Packed dots: one vpdpbusd per 64 values, then the chunk scales on int16 --------------------------
+//
+// ggml's int32 lane i of a 32-value chunk is its scale times S, the sum of the products of bytes 4i..4i+3;
+// |S| <= 4 * 63 * 128 = 32256 fits an int16 for every K-quant here (quants 0..63, Q8_K values -128..127). So
+// instead of vpmaddubsw + vpdpwssd per chunk pair and row (four multiplies a 128 values), a row takes S of two
+// chunk pairs X and Y with one vpdpbusd each, packs the two results to int16 (vpackssdw, no saturation
+// possible) and multiplies them by the chunks' scales with one vpdpwssd: three multiplies and a shuffle a 128
+// values, the lanes' integer sums unchanged (exact). For the packed int16 pairs to be (X's S, Y's S) of the same ggml lane, the dwords
+// of X and Y are interleaved first, per 128-bit lane (vpunpckl/hdq): once per weight block for the weights,
+// once per call for the activations (`interleaved_rows`). Then int32 lane k of 128-bit lane L of a row's
+// sums holds X's and Y's dword k of lane L, the same place as in the unpacked form, and fold() applies.
+
+// Each activation row's quants with the dwords of bytes [128h, 128h + 64) and [128h + 64, 128h + 128) of each
+// block interleaved (unpacklo, unpackhi), [block][row][h][2]: built once per call, the calling thread's buffer.
+struct alignas(64) Zmm {
+  __m512i v;
+};
+
+template <int R>
+SHARPI_INLINE512 const Zmm* interleaved_rows(int64_t nb, const uint8_t* const* q) {
+  thread_local std::vector<Zmm> buf;
+  buf.resize(static_cast<size_t>(nb * R * 4));
+  for (int64_t i = 0; i < nb; ++i)
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* y = q[r] + i * kQ8K + 4 + 128 * h;
+        const __m512i x = load512(y), z = load512(y + 64);
+        buf[((i * R + r) * 2 + h) * 2].v = _mm512_unpacklo_epi32(x, z);
+        buf[((i * R + r) * 2 + h) * 2 + 1].v = _mm512_unpackhi_epi32(x, z);
+      }
+  return buf.data();
+}
+
+// sums += the scaled S of the interleaved weight chunks (u = unpacklo, v = unpackhi of X and Y) against a
+// row's interleaved activations y[0], y[1]; sc holds X's chunk scale in the even int16 lanes, Y's in the odd.
+SHARPI_INLINE512 __m512i packed_dot(__m512i sums, __m512i u, __m512i v, const Zmm* y, __m512i sc) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i s = _mm512_packs_epi32(_mm512_dpbusd_epi32(zero, u, y[0].v), _mm512_dpbusd_epi32(zero, v, y[1].v));
+  return _mm512_dpwssd_epi32(sums, sc, s);
+}
+
+// From how many activation rows the kernels use the packed dots: with fewer, the interleaving of the weights
+// (two shuffles a 128 values) and of the activations (per call) is shared by too few rows (Intel Xeon, 2
+// threads: 0.94-1.0x the unpacked form at 2 rows; 1.04-1.1x from 4 rows for Q4_K and Q6_K at K = 2048).
+constexpr int kPackedFrom = 4;
+
 // k4_block (Q4_K) for two rows: yd their block scales, pr their bsum pairs (side by side); xd2 / nxdmin2 the
 // weight block's d and -dmin broadcast, mins2 its mins in both 128-bit halves.
 SHARPI_INLINE512 void k4_pair(PairAcc& a, __m512i s0, __m512i s1, const PairScales& yd, __m512 xd2, __m256 nxdmin2,
@@ -106,14 +153,27 @@ SHARPI_INLINE512 void k4_pair(PairAcc& a, __m512i s0, __m512i s1, const PairScal
   a.acc = _mm512_fmadd_ps(_mm512_mul_ps(yd.d8, xd2), _mm512_cvtepi32_ps(fold2(s0, s1)), a.acc);
 }
 
-// q6_block for two rows: scales2 the block's 16 scales (int16) in both 256-bit halves, xd2 its d broadcast.
-SHARPI_INLINE512 void q6_pair(PairAcc& a, __m512i s0, __m512i s1, const uint8_t* y0, const uint8_t* y1,
-                              const PairScales& yd, __m512 xd2, __m512i scales2) {
-  const __m512i bs = _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y0 + 260))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y1 + 260)), 1);
-  const __m512i sub = _mm512_slli_epi32(_mm512_madd_epi16(bs, scales2), 5);
-  a.acc = _mm512_fmadd_ps(_mm512_mul_ps(yd.d8, xd2), _mm512_cvtepi32_ps(_mm512_sub_epi32(fold2(s0, s1), sub)), a.acc);
+// Each pair's 16 bsums of every block side by side, [row 2p | row 2p + 1] ([block][pair]): built once per call.
+template <int R>
+SHARPI_INLINE512 const Zmm* pair_bsums(int64_t nb, const uint8_t* const* q) {
+  constexpr int P = R / 2;
+  thread_local std::vector<Zmm> buf;
+  buf.resize(static_cast<size_t>(P * nb));
+  for (int64_t i = 0; i < nb; ++i)
+    for (int p = 0; p < P; ++p)
+      buf[i * P + p].v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[2 * p] + i * kQ8K + 260))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[2 * p + 1] + i * kQ8K + 260)), 1);
+  return buf.data();
+}
+
+// q6_block for two rows: bs their bsums (pair_bsums), nscales2 the block's 16 scales times -32 (int16, exact:
+// |32 * -128| = 4096) in both 256-bit halves, xd2 its d broadcast. q6_block's `sumi - (madd(bsums, scales) << 5)`
+// as one vpdpwssd: the same exact integers (no lane can wrap: 2 * 2048 * 4096 < 2^31).
+SHARPI_INLINE512 void q6_pair(PairAcc& a, __m512i s0, __m512i s1, const Zmm& bs, const PairScales& yd, __m512 xd2,
+                              __m512i nscales2) {
+  const __m512i sumi = _mm512_dpwssd_epi32(fold2(s0, s1), bs.v, nscales2);
+  a.acc = _mm512_fmadd_ps(_mm512_mul_ps(yd.d8, xd2), _mm512_cvtepi32_ps(sumi), a.acc);
 }
 
 // ---- Q4_K / Q5_K ---------------------------------------------------------------------------------
@@ -122,12 +182,27 @@ SHARPI_INLINE512 void q6_pair(PairAcc& a, __m512i s0, __m512i s1, const uint8_t*
 // the high half their high nibbles (sub-block 2j+1); Q5_K's fifth bit is bit 2j / 2j+1 of each hbits byte.
 template <bool kQ5>
 struct K4 {
+  // Chunk pair j's quants: sub-block 2j in the low half, 2j + 1 in the high half.
+  SHARPI_INLINE512 static __m512i chunk_pair(const uint8_t* qs, __m512i hbits, int j) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
+    __m512i qv = _mm512_and_si512(_mm512_srlv_epi16(broadcast256(qs + 32 * j), counts(0, 4)), m4);
+    if (kQ5)
+      qv = _mm512_or_si512(qv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hbits, counts(2 * j, 2 * j + 1)), one), 4));
+    return qv;
+  }
+
   template <int R>
-  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                                  const uint8_t* const* q, float* const* out) {
+  static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
+                    float* const* out) {
+    if constexpr (R >= kPackedFrom) run<R, true>(k, w, w_row, n0, n1, q, out);
+    else run<R, false>(k, w, w_row, n0, n1, q, out);
+  }
+  template <int R, bool kPacked>
+  SHARPI_AVX512 static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                const uint8_t* const* q, float* const* out) {
     const int64_t nb = k / kQK;
+    const Zmm* yi = kPacked ? interleaved_rows<R>(nb, q) : nullptr;
     const size_t bsz = kQ5 ? kQ5K : kQ4K;
-    const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), nibble = counts(0, 4);
     const BsumPairs* pairs = bsum_pairs<R>(nb, q);
     // Q4_K runs its rows' float steps in pairs (an odd last row alone); Q5_K's mins term is a scalar per row.
     constexpr int P = kQ5 ? 0 : R / 2;
@@ -149,20 +224,33 @@ struct K4 {
         if (kQ5) hbits = broadcast256(blk + 16);
         __m512i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          __m512i qv = _mm512_and_si512(_mm512_srlv_epi16(broadcast256(qs + 32 * j), nibble), m4);
-          if (kQ5)
-            qv = _mm512_or_si512(qv, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hbits, counts(2 * j, 2 * j + 1)), one), 4));
-          // Scale 2j over the low half's int16 lanes, 2j + 1 over the high half's.
-          const int16_t lo = static_cast<int16_t>((4 * j) | ((4 * j + 1) << 8));
-          const int16_t hi = static_cast<int16_t>((4 * j + 2) | ((4 * j + 3) << 8));
-          const __m512i sc = _mm512_shuffle_epi8(
-              scales, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(lo)), _mm256_set1_epi16(hi), 1));
+        if constexpr (kPacked) {
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {  // chunk pairs X = 2h, Y = 2h + 1
+            const __m512i x = chunk_pair(qs, hbits, 2 * h), y = chunk_pair(qs, hbits, 2 * h + 1);
+            const __m512i u = _mm512_unpacklo_epi32(x, y), v = _mm512_unpackhi_epi32(x, y);
+            // Low half: X's scale 4h in the even int16 lanes, Y's 4h + 2 in the odd; high half 4h + 1, 4h + 3.
+            const int lo = (8 * h) | ((8 * h + 1) << 8) | ((8 * h + 4) << 16) | ((8 * h + 5) << 24);
+            const int hi = lo + 0x02020202;
+            const __m512i sc = _mm512_shuffle_epi8(
+                scales, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1));
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const __m512i p = _mm512_maddubs_epi16(qv, load512(q[r] + i * kQ8K + 4 + 64 * j));
-            sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
+            for (int r = 0; r < R; ++r) sumi[r] = packed_dot(sumi[r], u, v, yi + ((i * R + r) * 2 + h) * 2, sc);
+          }
+        } else {
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            const __m512i qv = chunk_pair(qs, hbits, j);
+            // Scale 2j over the low half's int16 lanes, 2j + 1 over the high half's.
+            const int16_t lo = static_cast<int16_t>((4 * j) | ((4 * j + 1) << 8));
+            const int16_t hi = static_cast<int16_t>((4 * j + 2) | ((4 * j + 3) << 8));
+            const __m512i sc = _mm512_shuffle_epi8(
+                scales, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(lo)), _mm256_set1_epi16(hi), 1));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m512i p = _mm512_maddubs_epi16(qv, load512(q[r] + i * kQ8K + 4 + 64 * j));
+              sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc, p);
+            }
           }
         }
         const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
@@ -197,9 +285,20 @@ struct K4 {
 // in a register of chunks (c, c+1) the four 128-bit lanes use scales 2c .. 2c+3.
 struct Q6 {
   template <int R>
-  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                                  const uint8_t* const* q, float* const* out) {
+  static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
+                    float* const* out) {
+    if constexpr (R >= kPackedFrom) run<R, true>(k, w, w_row, n0, n1, q, out);
+    else run<R, false>(k, w, w_row, n0, n1, q, out);
+  }
+  template <int R, bool kPacked>
+  SHARPI_AVX512 static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                const uint8_t* const* q, float* const* out) {
     const int64_t nb = k / kQK;
+    const Zmm* yi = kPacked ? interleaved_rows<R>(nb, q) : nullptr;
+    // Packed dots, half j: X = chunks (4j, 4j + 1), Y = (4j + 2, 4j + 3); 128-bit lane L of X uses scale 8j + L,
+    // of Y 8j + 4 + L: int16 lane e takes scale 8j + (its 128-bit lane) + (4 if e is odd).
+    alignas(64) static const int16_t kPackedScale[32] = {0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5,
+                                                         2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7};
     const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
     alignas(64) static const int16_t kLaneOf[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
@@ -208,6 +307,7 @@ struct Q6 {
     // (one Zen 4 thread: 55 -> 55 and 60 -> 62 GMAC/s at 4 and 8 rows; 44 -> 42 at 2).
     constexpr int P = R >= 4 ? R / 2 : 0;
     const PairScales* yds = pair_scales<P * 2>(nb, q);
+    const Zmm* bss = pair_bsums<P * 2>(nb, q);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * w_row;
       RowAcc a[R];
@@ -232,6 +332,14 @@ struct Q6 {
                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(0, 2)), m3), 4));
           qv[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m15),
                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts(4, 6)), m3), 4));
+          if constexpr (kPacked) {
+            const __m512i u = _mm512_unpacklo_epi32(qv[0], qv[1]), v = _mm512_unpackhi_epi32(qv[0], qv[1]);
+            const __m512i sc = _mm512_permutexvar_epi16(
+                _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(8 * j)), _mm512_load_si512(kPackedScale)), scales);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) sumi[r] = packed_dot(sumi[r], u, v, yi + ((i * R + r) * 2 + j) * 2, sc);
+            continue;
+          }
 #pragma GCC unroll 2
           for (int t = 0; t < 2; ++t) {
             const int c = 4 * j + 2 * t;  // the pair's first chunk
@@ -248,11 +356,11 @@ struct Q6 {
         const float xd = f16(blk + 208);
         if constexpr (P > 0) {
           const __m512 xd2 = _mm512_set1_ps(xd);
-          const __m512i scales2 = _mm512_inserti64x4(scales, scales16, 1);
+          const __m512i nscales2 =
+              _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(_mm512_inserti64x4(scales, scales16, 1), 5));
 #pragma GCC unroll 4
           for (int p = 0; p < P; ++p)
-            q6_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], q[2 * p] + i * kQ8K, q[2 * p + 1] + i * kQ8K, yds[i * P + p], xd2,
-                    scales2);
+            q6_pair(pa[p], sumi[2 * p], sumi[2 * p + 1], bss[i * P + p], yds[i * P + p], xd2, nscales2);
         }
 #pragma GCC unroll 8
         for (int r = 2 * P; r < R; ++r) q6_block(a[r], fold(sumi[r]), q[r] + i * kQ8K, xd, scales16);
@@ -353,6 +461,8 @@ void q5_rows(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, 
   if (rs.m <= 4) avx2_kernel(GGML_TYPE_Q5_K)(k, w, w_row, n0, n1, rs);
   else rows_of<kGroup, K4<true>>(k, w, w_row, n0, n1, rs);
 }
+
+int64_t avx512_group_rows() { return kGroup; }
 
 MultiRowFn avx512_kernel(int qtype) {
   switch (qtype) {

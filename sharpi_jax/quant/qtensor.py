@@ -41,6 +41,7 @@ from sharpi_jax.pallas_kernels import KERNEL_TYPES as PALLAS_KERNEL_TYPES
 from sharpi_jax.pallas_kernels import quant_blocks as qb
 from sharpi_jax.errors import UnsupportedQuantError
 from sharpi_jax.gguf import quants as formats
+from sharpi_jax.quant import hostmem
 
 Q = GGMLQuantizationType
 LAYOUTS = ("float", "float_t", "blocks", "soa", "kernel", "int8")
@@ -153,6 +154,8 @@ def _pack(raw: jax.Array, qtype: int, shape: tuple[int, ...], layout: str) -> QT
     check_layout(qtype, layout)
     qt = Q(qtype)
     shape = tuple(int(s) for s in shape)
+    if layout == "blocks" and isinstance(raw, np.ndarray):  # host bytes held as they are: on huge pages
+        return QTensor({"raw": hostmem.device_bytes(raw.reshape(formats.byte_shape(qt, shape)))}, qtype, shape, layout)
     raw = jnp.asarray(raw).reshape(formats.byte_shape(qt, shape))
     if layout in ("float", "float_t"):
         w = jax.lax.bitcast_convert_type(raw.reshape(*shape, -1), FLOAT_TYPES[qt])
@@ -224,6 +227,8 @@ def pack_rows(raw: np.ndarray, qtype: int, cols: int, layout: str, backend: str 
     [rows, cols] in `layout`. The "int8" repacking runs in fixed-size row chunks (one compile, peak
     memory one chunk of float32) instead of dequantizing the whole matrix at once."""
     rows = raw.shape[0]
+    if layout == "blocks":
+        return pack(np.asarray(raw), int(qtype), (rows, cols), layout, backend)
     if layout != "int8" or rows * cols <= CHUNK_VALUES:
         return jax.jit(pack, static_argnames=("qtype", "shape", "layout", "backend"))(
             jnp.asarray(raw), qtype=int(qtype), shape=(rows, cols), layout=layout, backend=backend)
