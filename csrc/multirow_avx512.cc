@@ -141,7 +141,7 @@ SHARPI_INLINE512 __m512i packed_dot(__m512i sums, __m512i u, __m512i v, const Zm
 
 // From how many activation rows the kernels use the packed dots: with fewer, the interleaving of the weights
 // (two shuffles a 128 values) and of the activations (per call) is shared by too few rows (Intel Xeon, 2
-// threads: 0.94-1.0x the unpacked form at 2 rows; 1.04-1.1x from 4 rows for Q4_K and Q6_K at K = 2048).
+// threads: 0.92-1.0x the unpacked form at 2 rows; 1.04-1.11x from 4 rows for Q4_K and Q6_K at K = 2048).
 constexpr int kPackedFrom = 4;
 
 // k4_block (Q4_K) for two rows: yd their block scales, pr their bsum pairs (side by side); xd2 / nxdmin2 the

@@ -399,6 +399,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
     ),
     Mutation(
+        "matmul_run_drops_last_row",
+        "ggml backend: matmul gives ggml's bits on every output row (one kernel call per run of tiles)",
+        "csrc/ggml_ops.cc",
+        (("      rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows), rs);\n",
+          "      rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows) - (t1 == tiles), rs);  // MUTATION\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
+    ),
+    Mutation(
         "hostmem_copied_by_xla",
         "ggml backend: weights held on huge pages in place (no second copy)",
         "sharpi_jax/quant/hostmem.py",
