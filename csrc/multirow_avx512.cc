@@ -192,14 +192,9 @@ struct K4 {
   }
 
   template <int R>
-  static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
-                    float* const* out) {
-    if constexpr (R >= kPackedFrom) run<R, true>(k, w, w_row, n0, n1, q, out);
-    else run<R, false>(k, w, w_row, n0, n1, q, out);
-  }
-  template <int R, bool kPacked>
-  SHARPI_AVX512 static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                                const uint8_t* const* q, float* const* out) {
+  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                  const uint8_t* const* q, float* const* out) {
+    constexpr bool kPacked = R >= kPackedFrom;
     const int64_t nb = k / kQK;
     const Zmm* yi = kPacked ? interleaved_rows<R>(nb, q) : nullptr;
     const size_t bsz = kQ5 ? kQ5K : kQ4K;
@@ -285,14 +280,9 @@ struct K4 {
 // in a register of chunks (c, c+1) the four 128-bit lanes use scales 2c .. 2c+3.
 struct Q6 {
   template <int R>
-  static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1, const uint8_t* const* q,
-                    float* const* out) {
-    if constexpr (R >= kPackedFrom) run<R, true>(k, w, w_row, n0, n1, q, out);
-    else run<R, false>(k, w, w_row, n0, n1, q, out);
-  }
-  template <int R, bool kPacked>
-  SHARPI_AVX512 static void run(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
-                                const uint8_t* const* q, float* const* out) {
+  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                  const uint8_t* const* q, float* const* out) {
+    constexpr bool kPacked = R >= kPackedFrom;
     const int64_t nb = k / kQK;
     const Zmm* yi = kPacked ? interleaved_rows<R>(nb, q) : nullptr;
     // Packed dots, half j: X = chunks (4j, 4j + 1), Y = (4j + 2, 4j + 3); 128-bit lane L of X uses scale 8j + L,

@@ -45,10 +45,10 @@ def _madvise():
 
 
 def _advise(addr: int, n: int, advice: int) -> None:
-    """madvise on [addr, addr + n), page-aligned by the caller; a refusal only costs the huge pages."""
-    fn = _madvise()
-    if fn is not None and n > 0:
-        fn(addr, n, advice)
+    """madvise on [addr, addr + n), page-aligned by the caller (where `_madvise` found one); a refusal only
+    costs the huge pages."""
+    if n > 0:
+        _madvise()(addr, n, advice)
 
 
 def device_bytes(raw: np.ndarray) -> jax.Array:
