@@ -147,6 +147,38 @@ struct Q6 {
   }
 };
 
+// ---- F32 ------------------------------------------------------------------------------------------
+//
+// ggml's vec_dot_f32 (its AVX2 + FMA build) for K a multiple of 32: four 8-lane sums, sum j += x[i + 8j] *
+// y[i + 8j] fused, over steps of 32 values; then (s0 + s2) + (s1 + s3) and f32_hsum. No unpacking to share, but
+// a step's 4 weight vectors are loaded once for up to 3 rows (12 sums and a weight vector fill the 16
+// registers), where vec_dot loads them once a row.
+struct F32 {
+  template <int R>
+  SHARPI_AVX2 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                const uint8_t* const* q, float* const* out) {
+    const float* y[R];
+    for (int r = 0; r < R; ++r) y[r] = reinterpret_cast<const float*>(q[r]);
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* x = reinterpret_cast<const float*>(w + n * w_row);
+      __m256 s[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) s[r][j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < k; i += 32) {
+        prefetch_ahead(reinterpret_cast<const uint8_t*>(x + i), 128);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m256 a = _mm256_loadu_ps(x + i + 8 * j);
+#pragma GCC unroll 3
+          for (int r = 0; r < R; ++r) s[r][j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(y[r] + i + 8 * j), s[r][j]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        out[r][n] = f32_hsum(_mm256_add_ps(_mm256_add_ps(s[r][0], s[r][2]), _mm256_add_ps(s[r][1], s[r][3])));
+    }
+  }
+};
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -175,11 +207,19 @@ MultiRowFn avx2_kernel(int qtype) {
     case GGML_TYPE_Q4_K: return rows_of<kGroup, K4<false>>;
     case GGML_TYPE_Q5_K: return rows_of<kGroup, K4<true>>;
     case GGML_TYPE_Q6_K: return rows_of<kGroup, Q6>;
+    case GGML_TYPE_F32: return rows_of<3, F32>;
     default: return nullptr;
   }
 }
 
-int64_t multirow_min_rows(int qtype, int64_t) { return qtype == GGML_TYPE_Q8_0 ? 2 : 1; }
+int64_t multirow_min_rows(int qtype, int64_t k) {
+  switch (qtype) {
+    case GGML_TYPE_Q8_0: return 2;
+    // One F32 row streams as fast through vec_dot; rows of other lengths keep vec_dot (its scalar tail).
+    case GGML_TYPE_F32: return k % 32 == 0 ? 2 : INT64_MAX;
+    default: return 1;
+  }
+}
 
 void set_multirow_enabled(bool on) { g_enabled.store(on); }
 bool multirow_enabled() { return g_enabled.load(); }

@@ -436,6 +436,39 @@ struct Q80 {
   }
 };
 
+// ---- F32 ------------------------------------------------------------------------------------------
+//
+// multirow.cc's F32 (ggml's vec_dot_f32 order) with a 512-bit register holding two of its 8-lane sums, (s0 | s1)
+// and (s2 | s3): their sum is (s0 + s2 | s1 + s3), and its halves added are ggml's (s0 + s2) + (s1 + s3). 16 sums
+// of 8 rows and 2 weight vectors fit the 32 registers.
+struct F32 {
+  template <int R>
+  SHARPI_AVX512 static void group(int64_t k, const uint8_t* w, size_t w_row, int64_t n0, int64_t n1,
+                                  const uint8_t* const* q, float* const* out) {
+    const float* y[R];
+    for (int r = 0; r < R; ++r) y[r] = reinterpret_cast<const float*>(q[r]);
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* x = reinterpret_cast<const float*>(w + n * w_row);
+      __m512 s[R][2];
+      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += 32) {
+        prefetch_ahead(reinterpret_cast<const uint8_t*>(x + i), 128);
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          s[r][0] = _mm512_fmadd_ps(a, _mm512_loadu_ps(y[r] + i), s[r][0]);
+          s[r][1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(y[r] + i + 16), s[r][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 t = _mm512_add_ps(s[r][0], s[r][1]);
+        out[r][n] = f32_hsum(_mm256_add_ps(_mm512_castps512_ps256(t),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))));
+      }
+    }
+  }
+};
+
 }  // namespace
 
 bool cpu_has_avx512_kernels() {
@@ -460,6 +493,7 @@ MultiRowFn avx512_kernel(int qtype) {
     case GGML_TYPE_Q5_K: return q5_rows;
     case GGML_TYPE_Q6_K: return rows_of<kGroup, Q6>;
     case GGML_TYPE_Q8_0: return rows_of<kGroup, Q80>;
+    case GGML_TYPE_F32: return rows_of<kGroup, F32>;
     default: return nullptr;
   }
 }

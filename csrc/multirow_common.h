@@ -52,6 +52,14 @@ SHARPI_INLINE float hsum8(__m256 x) {
   return _mm_cvtss_f32(r);
 }
 
+// The end of ggml's vec_dot_f32 (GGML_F32x8_REDUCE) for x = (s0 + s2) + (s1 + s3) of its four 8-lane sums: the
+// 128-bit halves added, then two horizontal adds (an order of its own, not hsum8's).
+SHARPI_INLINE float f32_hsum(__m256 x) {
+  const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 t1 = _mm_hadd_ps(t0, t0);
+  return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+}
+
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block (8 sub-blocks of 32 values, GGUF's
 // get_scale_min_k4) as 16 bytes: scales 0..7, then mins 0..7; four 32-bit words, no byte stores.
 SHARPI_INLINE __m128i scale_min_k4(const uint8_t* q) {

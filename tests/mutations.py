@@ -292,6 +292,38 @@ MUTATIONS: tuple[Mutation, ...] = (
           "    return jnp.max(jnp.where(hit, at, -1), axis=-1).astype(jnp.int32)  # MUTATION: the last index\n"),),
         ("tests/runtime/test_sampling.py::test_argmax_is_numpys_on_ties_nans_and_infinities",),
     ),
+    Mutation(
+        "argmax_native_later_chunk_on_ties",
+        "the greedy token of a row is numpy's argmax (the lowest index on ties): the native argmax's chunk merge",
+        "csrc/argmax.cc",
+        (("    if (parts[c].max > parts[best].max) best = c;\n",
+          "    if (parts[c].max >= parts[best].max) best = c;  // MUTATION: a later chunk wins a tie\n"),),
+        ("tests/runtime/test_sampling.py::test_native_argmax_is_numpys_across_chunks_and_lanes",),
+    ),
+    Mutation(
+        "argmax_native_last_nan_chunk",
+        "the greedy token of a row is numpy's argmax (the first NaN where there is one): the native chunk merge",
+        "csrc/argmax.cc",
+        (("  for (int64_t c = 0; c < n; ++c)\n    if (parts[c].nan_at >= 0) return parts[c].nan_at;\n",
+          "  for (int64_t c = n - 1; c >= 0; --c)  // MUTATION: the last chunk holding a NaN\n"
+          "    if (parts[c].nan_at >= 0) return parts[c].nan_at;\n"),),
+        ("tests/runtime/test_sampling.py::test_native_argmax_is_numpys_across_chunks_and_lanes",),
+    ),
+    Mutation(
+        "argmax_native_tail_nan_ignored",
+        "the greedy token of a row is numpy's argmax (the first NaN where there is one): a chunk's scalar tail",
+        "csrc/argmax.cc",
+        (("    if (std::isnan(x[j])) return {x[j], j, j};\n", "    // MUTATION: a NaN in the tail ignored\n"),),
+        ("tests/runtime/test_sampling.py::test_native_argmax_is_numpys_across_chunks_and_lanes",),
+    ),
+    Mutation(
+        "argmax_native_last_lane_of_a_hit",
+        "the greedy token of a row is numpy's argmax (the lowest index on ties): the native scan's lanes",
+        "csrc/argmax.cc",
+        (("    if (hit) return {m, j + __builtin_ctz(hit), -1};\n",
+          "    if (hit) return {m, j + 31 - __builtin_clz(hit), -1};  // MUTATION: the highest lane holding it\n"),),
+        ("tests/runtime/test_sampling.py::test_native_argmax_is_numpys_across_chunks_and_lanes",),
+    ),
     # The AVX-512 kernels: only a CPU with AVX-512 F / BW / VL / VNNI runs the tests that kill these (they
     # skip elsewhere, and the mutation check reports the mutation as not killed there).
     Mutation(
@@ -325,6 +357,39 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("        out[2 * p + 1][n] = hsum8(pair_row(pa[p], 1).acc);\n",
           "        out[2 * p + 1][n] = hsum8(pair_row(pa[p], p == P - 1 ? 0 : 1).acc);  // MUTATION: the pair's other row\n"),),
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512"),
+    ),
+    Mutation(
+        "multirow_f32_reduce_order",
+        "ggml backend: multi-row F32 products give ggml's vec_dot_f32 bits (its order of the four sums)",
+        "csrc/multirow.cc",
+        (("        out[r][n] = f32_hsum(_mm256_add_ps(_mm256_add_ps(s[r][0], s[r][2]), _mm256_add_ps(s[r][1], s[r][3])));\n",
+          "        out[r][n] = f32_hsum(_mm256_add_ps(_mm256_add_ps(s[r][0], s[r][1]), _mm256_add_ps(s[r][2], s[r][3])));"
+          "  // MUTATION\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx2 and F32"),
+    ),
+    Mutation(
+        "multirow_f32_any_row_length",
+        "ggml backend: multi-row F32 products give ggml's vec_dot_f32 bits (rows of other lengths keep vec_dot)",
+        "csrc/multirow.cc",
+        (("    case GGML_TYPE_F32: return k % 32 == 0 ? 2 : INT64_MAX;\n",
+          "    case GGML_TYPE_F32: return 2;  // MUTATION: the kernel for rows of any length\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and F32"),
+    ),
+    Mutation(
+        "multirow_avx512_f32_neighbour_row",
+        "ggml backend: a row's bits depend only on its own activation row (row-stable; AVX-512 F32 kernel)",
+        "csrc/multirow_avx512.cc",
+        (("          s[r][1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(y[r] + i + 16), s[r][1]);\n",
+          "          s[r][1] = _mm512_fmadd_ps(b, _mm512_loadu_ps(y[(r + 1) % R] + i + 16), s[r][1]);  // MUTATION\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512 and F32"),
+    ),
+    Mutation(
+        "multirow_avx512_f32_hsum8",
+        "ggml backend: multi-row F32 products give ggml's vec_dot_f32 bits (its horizontal adds; AVX-512)",
+        "csrc/multirow_avx512.cc",
+        (("        out[r][n] = f32_hsum(_mm256_add_ps(_mm512_castps512_ps256(t),\n",
+          "        out[r][n] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(t),  // MUTATION: the K-quants' order\n"),),
+        ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width and avx512 and F32"),
     ),
     Mutation(
         "multirow_avx512_packed_k4_scale",

@@ -23,7 +23,9 @@ from tests.quant.test_ggml import _blocks, _cols, _experts, _ids, _reference, _x
 from gguf import GGMLQuantizationType as Q
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-TYPES = K_QUANTS + (Q.Q8_0,)  # Q8_0: a kernel on AVX-512 only (the AVX2 runs check its vec_dot path)
+# Q8_0: a kernel on AVX-512 only (the AVX2 runs check its vec_dot path); F32 (the routers of a Q4_K_M file): from 2
+# rows, rows of a multiple of 32 values.
+TYPES = K_QUANTS + (Q.Q8_0, Q.F32)
 FAST_MS = (1, 2, 3, 4, 5, 6, 8, 16, 17, 37, 64)
 
 
@@ -68,12 +70,13 @@ def test_multirow_serves_the_k_quants(isa):
     multi-row with either instruction set, Q8_0 with the AVX-512 set."""
     assert all(ggml.multirow(t) for t in K_QUANTS)
     assert ggml.multirow(Q.Q8_0) == (isa == "avx512")
-    assert not ggml.multirow(Q.F32)
+    assert ggml.multirow(Q.F32) and not ggml.multirow(Q.F16)
     # K-quants: every product from one row, long rows (2048) and short ones (the experts' down projections,
     # 512): M = 1 runs the kernel's one-row form, which the bitwise tests compare with ggml's graph. Q8_0 from
     # two rows (one row: the prefetched vec_dot is faster).
     assert all(ggml.multirow_min_rows(t, 2048) == 1 and ggml.multirow_min_rows(t, 512) == 1 for t in K_QUANTS)
     assert ggml.multirow_min_rows(Q.Q8_0, 2048) == 2
+    assert ggml.multirow_min_rows(Q.F32, 2048) == 2 and ggml.multirow_min_rows(Q.F32, 100) > 1 << 40
     assert all(_cols(_weights(t)[0], t) <= 1024 < _cols(_weights(t)[1], t) for t in TYPES)
 
 
@@ -81,6 +84,8 @@ def _weights(qt):
     ws = (_blocks(qt, rows=100), _blocks(qt, rows=100, cols=2048, fixture=False, seed=5))
     if qt == Q.Q8_0:  # an odd block count: the AVX-512 kernel's last block runs alone
         ws += (_blocks(qt, rows=37, cols=96, fixture=False, seed=7),)
+    if qt == Q.F32:  # rows of 100 values keep vec_dot (its scalar tail); 96: three 32-value steps
+        ws += (_blocks(qt, rows=37, cols=100, fixture=False, seed=7), _blocks(qt, rows=37, cols=96, fixture=False, seed=8))
     return ws
 
 

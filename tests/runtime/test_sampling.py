@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sharpi_jax.errors import InputError
-from sharpi_jax.runtime.sampling import SamplingParams, argmax, filter_logits, sample
+from sharpi_jax.quant import ggml
+from sharpi_jax.runtime.sampling import NATIVE_ARGMAX_FROM, SamplingParams, argmax, filter_logits, sample
 
 LOGITS = jnp.log(jnp.asarray([0.05, 0.4, 0.1, 0.3, 0.15], jnp.float32))
 
@@ -68,3 +70,44 @@ def test_argmax_is_numpys_on_ties_nans_and_infinities():
     big[0, 1, [17, 200000]] = 9.0
     assert np.array_equal(np.asarray(argmax(big)), np.argmax(big, axis=-1))
     assert np.asarray(argmax(big[1, 2])).shape == () and int(argmax(big[1, 2])) == int(np.argmax(big[1, 2]))
+
+
+@pytest.mark.skipif(not ggml.available(), reason="the native extension did not load")
+def test_native_argmax_is_numpys_across_chunks_and_lanes():
+    """On the CPU, rows of NATIVE_ARGMAX_FROM logits or more take the extension's one-pass argmax (csrc/argmax.h,
+    chunks of 16384 merged in order): numpy's argmax on ties between chunks and within 8 lanes, NaNs in a chunk's
+    vector part or its scalar tail (the first one wins, even in a later chunk than the maximum), -0.0 tying +0.0
+    across chunks, infinities, the maximum in a row's last few elements; 1-D, batched and vmapped rows."""
+    V = 2 * 16384 + 1000 + 3  # three chunks, the last with a 3-element scalar tail
+    fn = jax.jit(argmax)
+    assert "sharpi_argmax" in fn.lower(jax.ShapeDtypeStruct((2, V), jnp.float32)).as_text()
+    assert "sharpi_argmax" not in fn.lower(jax.ShapeDtypeStruct((2, NATIVE_ARGMAX_FROM - 1), jnp.float32)).as_text()
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((12, V)).astype(np.float32)
+    rows[0, [20000, 16384 + 40, 5]] = 7.0  # a tie across chunks 0 and 1: chunk 0's index
+    rows[1, [16384 + 3, 16384 + 6]] = 7.0  # a tie within one 8-lane vector: the lower lane
+    rows[2, V - 2] = np.nan  # a NaN in the last chunk's scalar tail beats the maximum in chunk 0
+    rows[2, 100] = 50.0
+    rows[3, [16384 + 900, 2 * 16384 + 17]] = np.nan  # NaNs in two chunks' vector parts: the first
+    rows[3, V - 1] = np.nan
+    rows[4] = -np.inf
+    rows[5] = -1.0
+    rows[5, 2 * 16384 + 5], rows[5, 16384 + 9] = 0.0, -0.0  # -0.0 in an earlier chunk ties +0.0
+    rows[6, V - 1] = 9.0  # the maximum in the tail
+    rows[7, [16384 - 1, 16384]] = np.inf  # a tie on both sides of a chunk boundary
+    rows[8, V - 3] = 9.0
+    rows[8, V - 1] = 9.0  # a tie inside the tail
+    rows[9, 31], rows[9, 32] = 8.0, 8.0  # a tie across two vectors of the unrolled loop
+    rows[10, 16384 - 1] = np.nan  # a NaN as the last element of a chunk
+    rows[11, 0] = np.nan  # the very first element
+    want = np.argmax(rows, axis=-1)
+    assert np.array_equal(np.asarray(fn(rows)), want)
+    assert np.array_equal(np.asarray(fn(rows.reshape(3, 4, V))), want.reshape(3, 4))
+    assert np.array_equal(np.asarray(jax.jit(jax.vmap(argmax))(rows)), want)
+    for r in rows:
+        assert int(fn(r)) == int(np.argmax(r))
+    for n in (NATIVE_ARGMAX_FROM, 16384, 16385):  # one chunk; a chunk and a one-element chunk
+        x = rng.standard_normal((3, n)).astype(np.float32)
+        x[0, n - 1] = 10.0
+        x[1, [0, n - 1]] = 10.0
+        assert np.array_equal(np.asarray(fn(x)), np.argmax(x, axis=-1))
