@@ -293,6 +293,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_sampling.py::test_argmax_is_numpys_on_ties_nans_and_infinities",),
     ),
     Mutation(
+        "gdn_chain_conv_from_given_state",
+        "device loop == host loop: a chain pass's rows start from the previous pass's rollback snapshot (conv)",
+        "sharpi_jax/model/gated_delta_net.py",
+        (("            conv0 = conv_state if from_snapshot is None else at(conv_snaps, from_snapshot)\n",
+          "            conv0 = conv_state  # MUTATION: the given conv state, not the rollback snapshot\n"),),
+        ("tests/runtime/test_device_loop.py",),
+    ),
+    Mutation(
+        "gdn_chain_conv_not_carried",
+        "batched verify == sequential decode, bitwise (chain): row t's conv starts from row t - 1's",
+        "sharpi_jax/model/gated_delta_net.py",
+        (("                return conv, put(conv_snaps, conv, t), tuple(put(a, r, t) for a, r in zip(qkv_rows, row))\n",
+          "                return carry[0], put(conv_snaps, conv, t), tuple(put(a, r, t) for a, r in zip(qkv_rows, row))"
+          "  # MUTATION\n"),),
+        ("tests/runtime/test_speculative.py", "-k", "test_batched_verify_bitwise_equals_sequential"),
+    ),
+    Mutation(
         "argmax_native_later_chunk_on_ties",
         "the greedy token of a row is numpy's argmax (the lowest index on ties): the native argmax's chunk merge",
         "csrc/argmax.cc",
