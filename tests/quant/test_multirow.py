@@ -4,7 +4,8 @@ References independent of the kernels: ggml's own graph (`ggml_mul_mat` on ggml'
 ctypes, experiments/ggml_graph.py) and ggml's vec_dot path of the same extension (`set_multirow(False)`,
 one ggml vec_dot per element). Blocks are real: fixture tensors and ggml's own quantizer at K = 2048 (the
 35B hidden size: several super-blocks per row) with a partial last tile of weight rows. Row counts cover
-the K-quant kernels' one-row form (`multirow_min_rows` 1), both sides of Q8_0's vec_dot / kernel switch (2 rows),
+the K-quant kernels' one-row form (`multirow_min_rows` 1), both sides of Q8_0's and F32's vec_dot / kernel switch (2 rows;
+F32 rows of 100 values keep vec_dot),
 every group size of the kernels and many groups: AVX2 groups of 2 to 4 rows (M = 5, 6 and 17 run as 2 + 3, 3 + 3 and 3 + 3 + 3 + 4 + 4),
 AVX-512 groups of 2 to 8 (M = 17 and 37 run as 5 + 6 + 6 and 7 + 7 + 7 + 8 + 8). Every test runs once per
 instruction set this CPU runs (the `isa` fixture); the AVX-512 set is skipped, with the reason, on a CPU
