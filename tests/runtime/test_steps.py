@@ -227,7 +227,10 @@ def test_verify_pass_copies_no_gdn_state(tree, gdn_step):
     snapshots are written into the donated buffers, the loop carries no copy of the state (on the
     twin, such copies were a 69-133 MB temp buffer faulted in afresh on every pass), and the commit
     copies no snapshot into the state (its first row reads it in place: 20 ms a pass on the twin). Both
-    GDN steps: the native one (all rows in one call) and XLA's (a loop over the rows)."""
+    GDN steps: the native one (all rows in one call) and XLA's (a loop over the rows). One exception, by
+    design: a chain's conv loop on the native step carries the conv state ([Kc-1, C], 96 KB a layer on the
+    35B shapes), read once from the committed snapshot (a dynamic index per row cost ~45 us a row and layer):
+    exactly one such read per GDN layer, nothing else."""
     import re
     from sharpi_jax.runtime.state import repeat_as_snapshots
     from sharpi_jax.model.tree import tree_arrays
@@ -250,4 +253,9 @@ def test_verify_pass_copies_no_gdn_state(tree, gdn_step):
     made = [line.strip()[:120] for line in entry.splitlines()
             if (m := re.match(r"\s*(?:ROOT )?%\S+ = (f32\[[\d,]*\])\S* (copy|broadcast|fusion|dynamic-slice)\(", line))
             and m.group(1) in shapes]
+    carried = [line for line in made if line.startswith("%dynamic-slice") and "__conv" in line
+               and line.split(" = ")[1].startswith(f"f32[{','.join(map(str, g.conv[0].shape))}]")]
+    if not tree and "sharpi_gdn_rows" in text:  # a chain on the native step
+        assert len(carried) == len(gdn_caches(snaps)), carried
+        made = [line for line in made if line not in carried]
     assert not made, made
