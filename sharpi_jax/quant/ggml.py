@@ -5,11 +5,11 @@ each activation row once with ggml's `from_float` for the weight type's `vec_dot
 K-quants, Q8_0 for Q4_0 / Q8_0 / ..., f16 for F16, f32 for F32) and computes every output element with
 the bits of ggml's `vec_dot` of that row with one weight row as stored in the file: the same arithmetic
 as ggml's mul_mat wherever ggml computes a product by vec_dot. For Q4_K / Q5_K / Q6_K products of any
-number of rows, Q8_0 products of two or more with AVX-512 and F32 products of two or more (rows of a multiple
-of 32 values) (`multirow_min_rows`), multi-row kernels (csrc/multirow*.cc) unpack (or load) each weight chunk
-once for a group of up to 4 rows (AVX2; F32 3) or 8 rows (AVX-512 with VNNI, picked at run time where the
-CPU has it) and repeat vec_dot's float operations in its order, so they give the same bits. Output row m depends only on x[m]
-(row-stable: a row has the same bits for any batch size).
+number of rows, Q8_0 products of two or more with AVX-512 and F32 products of two or more (rows of a
+multiple of 32 values; `multirow_min_rows`), multi-row kernels (csrc/multirow*.cc) unpack (or load) each
+weight chunk once for a group of up to 4 rows (AVX2; F32 3) or 8 rows (AVX-512 with VNNI, picked at run
+time where the CPU has it) and repeat vec_dot's float operations in its order, so they give the same bits.
+Output row m depends only on x[m] (row-stable: a row has the same bits for any batch size).
 
 - `available()` / `unavailable_reason()`: whether the extension loaded (the reason names cause and fix).
 - `serves(qtype)`: the ggml types this backend computes.
