@@ -210,7 +210,7 @@ struct K4 {
       for (int p = 0; p < P; ++p) pa[p] = pair_acc_zero();
       for (int64_t i = 0; i < nb; ++i) {
         const uint8_t* blk = wr + i * bsz;
-        prefetch_ahead(blk, bsz);
+        prefetch_rows<R>(blk, bsz);
         const __m128i sm = scale_min_k4(blk + 4);
         // The 8 scales as int16, repeated in every 128-bit lane (for the byte shuffles below).
         const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
@@ -306,7 +306,7 @@ struct Q6 {
       for (int p = 0; p < P; ++p) pa[p] = pair_acc_zero();
       for (int64_t i = 0; i < nb; ++i) {
         const uint8_t* blk = wr + i * kQ6K;
-        prefetch_ahead(blk, kQ6K);
+        prefetch_rows<R>(blk, kQ6K);
         const uint8_t* ql = blk;
         const uint8_t* qh = blk + 128;
         const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
@@ -401,7 +401,7 @@ struct Q80 {
       int64_t i = 0;
       for (; i + 2 <= nb; i += 2) {
         const uint8_t* b = wr + i * kBlock;
-        prefetch_ahead(b, 2 * kBlock);
+        prefetch_rows<R>(b, 2 * kBlock);
         const __m512i x = pair(b);
         const __mmask64 neg = _mm512_movepi8_mask(x);
         const __m512i ax = _mm512_abs_epi8(x);
