@@ -43,8 +43,8 @@ MultiRowFn multirow_kernel(int qtype);
 constexpr size_t kPrefetchAhead = 2048;
 
 // Asks for the `bytes` of weight stream that start kPrefetchAhead past p (a block's or a row's lines): the
-// kernels' prefetch per block (prefetch_rows, below, adds a farther one from 4 rows) and ggml_ops.cc's vec_dot
-// path's per weight row.
+// kernels' prefetch per block (prefetch_rows, below, adds a farther one from 4 rows) and the one of
+// ggml_ops.cc's vec_dot path (per weight row).
 inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + kPrefetchAhead + o, 0, 3);
 }
@@ -54,7 +54,7 @@ inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, size
 // alone then left the stream waiting on memory in turns with computing. Intel Xeon (Sapphire Rapids class),
 // 2 threads, the AVX-512 kernels, the slice's LM heads in jit, 3 rounds alternated: Q6_K (417 MB) 18.2-18.9 ->
 // 16.8-17.9 ms at 4 rows, 26.8-27.2 -> 22.4-23.2 at 8; Q8_0 (540 MB) 35.2-37.6 -> 31.6-32.0 at 4, 52.3-53.5 ->
-// 50.5-51.8 at 8; Q4_K within noise; 4 and 8 KB alike. From 2 rows a 2-row pass measured no faster, so
+// 50.5-51.8 at 8; Q4_K within noise; 8 and 16 KB ahead alike. From 2 rows a 2-row pass measured no faster, so
 // fewer rows keep the one prefetch. The AVX2 kernels, arithmetic-bound from 4 rows, moved 2-3%: left without.
 constexpr int kFarFromRows = 4;
 constexpr size_t kFarAhead = 4 * kPrefetchAhead;
