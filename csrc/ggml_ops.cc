@@ -207,6 +207,19 @@ void rows_product(const Kernel& kr, const uint8_t* w, int64_t n0, int64_t n1, co
     }
 }
 
+// rows_product over tiles [t0, t1) of a matrix of n_rows weight rows. Rows that a kernel takes in one group
+// see each weight row once whatever the range: one call for the whole run, so its per-call set-up (the
+// activations' bsums, scales, interleaved quants) is paid once per run, not per tile. More rows, or vec_dot,
+// go tile by tile, each tile's weights kept in cache for every group of rows.
+void tiles_product(const Kernel& kr, const uint8_t* w, int64_t n_rows, int64_t t0, int64_t t1,
+                   const sharpi::RowSet& rs) {
+  if (kr.multirow != nullptr && rs.m >= kr.multirow_min && rs.m <= sharpi::multirow_group_rows()) {
+    rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows), rs);
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) rows_product(kr, w, t * kTileRows, std::min(n_rows, (t + 1) * kTileRows), rs);
+}
+
 // y[M, N] = x[M, K] @ W[N, K].T with W in ggml blocks. idx (may be null: the identity): the m-th
 // computed row is x row idx[m], its output y row idx[m] (a batch's valid rows, wherever they sit).
 void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int qtype,
@@ -227,17 +240,7 @@ void matmul(const Pool& pool, const float* x, int64_t m_rows, int64_t k, const u
   // An F32 weight streams 4 bytes a multiply-add (a Q4_K one 0.56): counted 4x, so a one-row router product
   // (257 x 2048, 2 MB) spreads over the threads (0.11 -> 0.07 ms here) instead of running on the caller.
   const int64_t work = m_rows * n_rows * k * (qtype == GGML_TYPE_F32 ? 4 : 1);
-  pool.run_ranges(tiles, work, [&](int64_t t0, int64_t t1) {
-    // Rows that a kernel takes in one group see each weight row once whatever the range: one call for the
-    // whole run, so its per-call set-up (the activations' bsums, scales, interleaved quants) is paid once
-    // per run, not per tile. More rows, or vec_dot, go tile by tile, each tile's weights kept in cache for
-    // every group of rows.
-    if (kr.multirow != nullptr && m_rows >= kr.multirow_min && m_rows <= sharpi::multirow_group_rows()) {
-      rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows), rs);
-      return;
-    }
-    for (int64_t t = t0; t < t1; ++t) rows_product(kr, w, t * kTileRows, std::min(n_rows, (t + 1) * kTileRows), rs);
-  });
+  pool.run_ranges(tiles, work, [&](int64_t t0, int64_t t1) { tiles_product(kr, w, n_rows, t0, t1, rs); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -298,27 +301,32 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
       yo[at] = y + pair * D;
     }
 
-  // Phase A units: (group, F-tile, gate or up); a unit unpacks its 16 weight rows once for the group's pairs.
-  pool.run(static_cast<int64_t>(groups.size()) * f_tiles * 2, 2 * n_pairs * F * D, [&](int64_t u) {
-    const bool is_up = u & 1;
-    u >>= 1;
-    const int64_t g = u / f_tiles, base = pair_base[g];
-    int64_t n0 = (u % f_tiles) * kTileRows, n1 = std::min(F, n0 + kTileRows);
-    const sharpi::RowSet rs{(is_up ? xu : xg).data() + base, (is_up ? uo : go).data() + base,
-                            pair_base[g + 1] - base};
-    if (is_up) rows_product(ku, ew.up + groups[g].expert * up_expert, n0, n1, rs);
-    else rows_product(kg, ew.gate + groups[g].expert * gate_expert, n0, n1, rs);
+  // Phase A units: (group, gate or up, F-tile), a matrix's tiles consecutive: a run of them is one product
+  // call (tiles_product), each thread streaming one matrix at a time.
+  pool.run_ranges(static_cast<int64_t>(groups.size()) * 2 * f_tiles, 2 * n_pairs * F * D, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1;) {
+      const int64_t mat = u / f_tiles, end = std::min(u1, (mat + 1) * f_tiles);
+      const int64_t g = mat >> 1, base = pair_base[g];
+      const bool is_up = mat & 1;
+      const sharpi::RowSet rs{(is_up ? xu : xg).data() + base, (is_up ? uo : go).data() + base,
+                              pair_base[g + 1] - base};
+      if (is_up) tiles_product(ku, ew.up + groups[g].expert * up_expert, F, u - mat * f_tiles, end - mat * f_tiles, rs);
+      else tiles_product(kg, ew.gate + groups[g].expert * gate_expert, F, u - mat * f_tiles, end - mat * f_tiles, rs);
+      u = end;
+    }
   });
   pool.run(n_pairs, n_pairs * F * 8, [&](int64_t p) {
     std::vector<float> h(F);
     silu_mul(gate.data() + p * F, up.data() + p * F, h.data(), F);
     kd.quantize(h.data(), hq.data() + p * kd.q_row);
   });
-  pool.run(static_cast<int64_t>(groups.size()) * d_tiles, n_pairs * F * D, [&](int64_t u) {
-    const int64_t g = u / d_tiles, base = pair_base[g];
-    int64_t n0 = (u % d_tiles) * kTileRows, n1 = std::min(D, n0 + kTileRows);
-    const sharpi::RowSet rs{hp.data() + base, yo.data() + base, pair_base[g + 1] - base};
-    rows_product(kd, ew.down + groups[g].expert * down_expert, n0, n1, rs);
+  pool.run_ranges(static_cast<int64_t>(groups.size()) * d_tiles, n_pairs * F * D, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1;) {
+      const int64_t g = u / d_tiles, end = std::min(u1, (g + 1) * d_tiles), base = pair_base[g];
+      const sharpi::RowSet rs{hp.data() + base, yo.data() + base, pair_base[g + 1] - base};
+      tiles_product(kd, ew.down + groups[g].expert * down_expert, D, u - g * d_tiles, end - g * d_tiles, rs);
+      u = end;
+    }
   });
 }
 

@@ -484,9 +484,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "matmul_run_drops_last_row",
         "ggml backend: matmul gives ggml's bits on every output row (one kernel call per run of tiles)",
         "csrc/ggml_ops.cc",
-        (("      rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows), rs);\n",
-          "      rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows) - (t1 == tiles), rs);  // MUTATION\n"),),
+        (("    rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows), rs);\n",
+          "    rows_product(kr, w, t0 * kTileRows, std::min(n_rows, t1 * kTileRows) - (t1 * kTileRows >= n_rows), rs);"
+          "  // MUTATION\n"),),
         ("tests/quant/test_multirow.py", "-k", "test_matmul_is_ggml_bitwise_at_every_width"),
+    ),
+    Mutation(
+        "expert_run_crosses_matrices",
+        "ggml backend: expert_rows grouped == composing matmul (one kernel call per run of an expert matrix's tiles)",
+        "csrc/ggml_ops.cc",
+        (("      const int64_t mat = u / f_tiles, end = std::min(u1, (mat + 1) * f_tiles);\n",
+          "      const int64_t mat = u / f_tiles, end = u1;  // MUTATION: a run's later matrices left out\n"),
+         ("      const int64_t g = u / d_tiles, end = std::min(u1, (g + 1) * d_tiles), base = pair_base[g];\n",
+          "      const int64_t g = u / d_tiles, end = u1, base = pair_base[g];  // MUTATION\n")),
+        ("tests/quant/test_ggml.py", "-k", "test_expert_rows_grouped_per_token_host_composition_bitwise"),
     ),
     Mutation(
         "hostmem_copied_by_xla",
