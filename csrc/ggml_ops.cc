@@ -274,6 +274,17 @@ struct Group {
   std::vector<int64_t> pairs;  // flat pair index i * k + j
 };
 
+// A run of work units [u0, u1), `per` consecutive units (tiles) a matrix, split at the matrices' ends:
+// fn(matrix, t0, t1) for each matrix the run touches, t0 / t1 its first and past-the-last tile in the run.
+template <class Fn>
+void matrix_runs(int64_t u0, int64_t u1, int64_t per, const Fn& fn) {
+  for (int64_t u = u0; u < u1;) {
+    const int64_t mat = u / per, end = std::min(u1, (mat + 1) * per);
+    fn(mat, u - mat * per, end - mat * per);
+    u = end;
+  }
+}
+
 // Computes the groups' outputs in y[N * k, D]. `xq_*`: each token's activation quantized for gate / up.
 void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Group>& groups, int64_t k_top,
                 const Kernel& kg, const Kernel& ku, const Kernel& kd, const uint8_t* xq_g, const uint8_t* xq_u,
@@ -304,16 +315,14 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
   // Phase A units: (group, gate or up, F-tile), a matrix's tiles consecutive: a run of them is one product
   // call (tiles_product), each thread streaming one matrix at a time.
   pool.run_ranges(static_cast<int64_t>(groups.size()) * 2 * f_tiles, 2 * n_pairs * F * D, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1;) {
-      const int64_t mat = u / f_tiles, end = std::min(u1, (mat + 1) * f_tiles);
+    matrix_runs(u0, u1, f_tiles, [&](int64_t mat, int64_t t0, int64_t t1) {
       const int64_t g = mat >> 1, base = pair_base[g];
       const bool is_up = mat & 1;
       const sharpi::RowSet rs{(is_up ? xu : xg).data() + base, (is_up ? uo : go).data() + base,
                               pair_base[g + 1] - base};
-      if (is_up) tiles_product(ku, ew.up + groups[g].expert * up_expert, F, u - mat * f_tiles, end - mat * f_tiles, rs);
-      else tiles_product(kg, ew.gate + groups[g].expert * gate_expert, F, u - mat * f_tiles, end - mat * f_tiles, rs);
-      u = end;
-    }
+      const uint8_t* wm = is_up ? ew.up + groups[g].expert * up_expert : ew.gate + groups[g].expert * gate_expert;
+      tiles_product(is_up ? ku : kg, wm, F, t0, t1, rs);
+    });
   });
   pool.run(n_pairs, n_pairs * F * 8, [&](int64_t p) {
     std::vector<float> h(F);
@@ -321,12 +330,11 @@ void run_groups(const Pool& pool, const ExpertWeights& ew, const std::vector<Gro
     kd.quantize(h.data(), hq.data() + p * kd.q_row);
   });
   pool.run_ranges(static_cast<int64_t>(groups.size()) * d_tiles, n_pairs * F * D, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1;) {
-      const int64_t g = u / d_tiles, end = std::min(u1, (g + 1) * d_tiles), base = pair_base[g];
+    matrix_runs(u0, u1, d_tiles, [&](int64_t g, int64_t t0, int64_t t1) {
+      const int64_t base = pair_base[g];
       const sharpi::RowSet rs{hp.data() + base, yo.data() + base, pair_base[g + 1] - base};
-      tiles_product(kd, ew.down + groups[g].expert * down_expert, D, u - g * d_tiles, end - g * d_tiles, rs);
-      u = end;
-    }
+      tiles_product(kd, ew.down + groups[g].expert * down_expert, D, t0, t1, rs);
+    });
   });
 }
 

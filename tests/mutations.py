@@ -493,10 +493,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "expert_run_crosses_matrices",
         "ggml backend: expert_rows grouped == composing matmul (one kernel call per run of an expert matrix's tiles)",
         "csrc/ggml_ops.cc",
-        (("      const int64_t mat = u / f_tiles, end = std::min(u1, (mat + 1) * f_tiles);\n",
-          "      const int64_t mat = u / f_tiles, end = u1;  // MUTATION: a run's later matrices left out\n"),
-         ("      const int64_t g = u / d_tiles, end = std::min(u1, (g + 1) * d_tiles), base = pair_base[g];\n",
-          "      const int64_t g = u / d_tiles, end = u1, base = pair_base[g];  // MUTATION\n")),
+        (("    const int64_t mat = u / per, end = std::min(u1, (mat + 1) * per);\n",
+          "    const int64_t mat = u / per, end = u1;  // MUTATION: a run's later matrices left out\n"),),
         ("tests/quant/test_ggml.py", "-k", "test_expert_rows_grouped_per_token_host_composition_bitwise"),
     ),
     Mutation(
